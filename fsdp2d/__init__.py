@@ -1,0 +1,21 @@
+"""fsdp2d: 2D parallelism for PyTorch (tensor parallel x fully sharded data parallel).
+
+Build a mesh, ``parallelize_module`` on its TP axis, ``fully_shard`` on its data axis,
+train; parameters at rest are plain local shards with a frozen ``Layout``.
+"""
+
+from .mesh import DeviceMesh, init_device_mesh
+from .placement import Layout, Partial, Placement, Replicate, Shard
+from .fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle,
+                   fsdp_params, fully_shard, summon_full_params)
+from .tensor_parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
+                              RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
+                              tp_params)
+
+__all__ = [
+    "init_device_mesh", "DeviceMesh", "Shard", "Replicate", "Partial", "Placement", "Layout",
+    "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "PrepareModuleInput", "PrepareModuleOutput", "loss_parallel", "tp_params",
+    "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle",
+    "fsdp_params", "summon_full_params",
+]

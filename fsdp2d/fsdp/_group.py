@@ -1,0 +1,215 @@
+"""One ``fully_shard`` group: a flat buffer, one all-gather, one reduce-scatter.
+
+All parameters managed by one ``fully_shard`` call share a flat 1-D buffer of
+``sum(segment_numel)`` elements per rank; each sharded ``nn.Parameter`` is a view into
+it, so the all-gather sends the buffer itself (no packing copy) and the optimizer's
+in-place updates land in it. ``unshard`` gathers ``(k, total)`` and copies each
+parameter out; ``reduce_grads`` packs the unsharded gradients into ``(k, total)``,
+reduce-scatters into ``(total,)`` and hands each sharded parameter a view of it as
+its ``.grad`` (averaged over the data-parallel ranks, in ``reduce_dtype``).
+
+Both collectives can be asynchronous (gloo and NCCL run them on their own threads or
+streams): ``unshard(async_op=True)`` returns at once and ``wait_unshard`` finishes it;
+reduce-scatters are waited on in ``finish_reduce`` (before the next one starts, and at
+the end of backward, before the optimizer can run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _collectives as C
+from ._param import FSDPParam
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for FSDP's collectives and compute (torch's ``MixedPrecisionPolicy``).
+
+    param_dtype: dtype of the unsharded parameters (all-gather and compute); None keeps
+        the sharded dtype. reduce_dtype: dtype of the gradient reduce-scatter; None uses
+        param_dtype. output_dtype: cast forward outputs to it (None: leave).
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading (the default)."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, gradients and the optimizer step on the CPU while the
+    module computes on CUDA. On CPU-only runs everything is on the CPU already, so this
+    is a no-op. ``pin_memory`` pins the CPU shards for faster copies."""
+
+    pin_memory: bool = True
+
+
+class FSDPParamGroup:
+    def __init__(self, params: list[FSDPParam], shard_group: C.Group, replicate_group: C.Group | None,
+                 mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str) -> None:
+        self.params, self.fqn, self.mp, self.offload = params, fqn, mp, offload
+        self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.k = C.group_size(shard_group)
+        self.dp_size = self.k * C.group_size(replicate_group)
+        offset = 0
+        for p in params:
+            p.offset, offset = offset, offset + p.segment_numel
+        self.total = offset
+        dtypes = {p.sharded.dtype for p in params}
+        if len(dtypes) > 1 and mp.param_dtype is None:
+            names = ", ".join(f"{p.fqn}: {p.sharded.dtype}" for p in params[:6])
+            raise ValueError(
+                f"fully_shard({fqn or '<root>'}): parameters have mixed dtypes ({names}); one group "
+                f"all-gathers one flat buffer, so set MixedPrecisionPolicy(param_dtype=...) or cast the module"
+            )
+        self.dtype = params[0].sharded.dtype if params else torch.float32
+        self.param_dtype = mp.param_dtype or self.dtype
+        self.reduce_dtype = mp.reduce_dtype or self.param_dtype
+        self.flat = torch.empty(0)
+        self.requires_sync = True
+        self.reshard_after_forward = True
+        self.reshard_after_backward = True
+        self.unsharded = False
+        self._gather: tuple[Any, torch.Tensor] | None = None
+        self._reduce: tuple[Any, torch.Tensor] | None = None
+        self.grads_ready = 0
+        self.needs_reduce = False
+        self.counts = {"all_gather": 0, "reduce_scatter": 0}
+        self.compute_device = params[0].sharded.device if params else torch.device("cpu")
+        self._build_flat(self.compute_device)
+
+    # -- the flat sharded buffer --------------------------------------------------------
+    def _build_flat(self, device: torch.device) -> None:
+        """Copy every parameter's shard rows into a fresh flat buffer and make the
+        registered parameter a view of it (same Parameter object when it exists)."""
+        store = torch.device("cpu") if self._offloading(device) else device
+        self.flat = torch.zeros(self.total, dtype=self.dtype, device=store)
+        if self._offloading(device) and getattr(self.offload, "pin_memory", False):
+            self.flat = self.flat.pin_memory()
+        for p in self.params:
+            current = p.module._parameters[p.name]
+            view = self.flat[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
+            with torch.no_grad():
+                src = current if tuple(current.shape) == p.shard_shape else p.shard_of(current)
+                if src.device.type != "meta" and store.type != "meta":
+                    view.copy_(src)
+            if tuple(current.shape) == p.shard_shape:
+                current.data = view  # keep the object the optimizer may already hold
+                p.sharded = current
+            else:
+                p.sharded = torch.nn.Parameter(view, requires_grad=p.requires_grad)
+            p.register("sharded")
+            p.make_unsharded(self.param_dtype, device)
+            if p.requires_grad:
+                p.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.compute_device = device
+
+    def _offloading(self, device: torch.device) -> bool:
+        return isinstance(self.offload, CPUOffloadPolicy) and device.type != "cpu"
+
+    def sync_params(self) -> None:
+        """Adopt parameters replaced behind our back (``to_empty()``, ``load_state_dict``
+        with assign): rebuild the flat buffer from whatever the modules now hold."""
+        if any(p.module._parameters[p.name] is not p.sharded for p in self.params) or \
+                (self.flat.device.type == "meta" and self.params and
+                 self.params[0].module._parameters[self.params[0].name].device.type != "meta"):
+            device = self.params[0].module._parameters[self.params[0].name].device
+            self._build_flat(device)
+
+    # -- all-gather ------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        if self.unsharded or self._gather is not None:
+            if not async_op:
+                self.wait_unshard()
+            return
+        send = self.flat.to(self.compute_device, self.param_dtype, non_blocking=True)
+        self.counts["all_gather"] += 1
+        if self.k == 1:
+            self._gather = (None, send)
+        else:
+            out = send.new_empty(self.k * self.total)
+            self._gather = (dist.all_gather_single(out, send, group=self.shard_group, async_op=True), out)
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self._gather is None:
+            return
+        work, out = self._gather
+        if work is not None:
+            work.wait()
+        gathered = out.view(self.k, self.total)
+        for p in self.params:
+            p.alloc_unsharded()
+            p.copy_in(gathered)
+        self._gather = None
+        self.unsharded = True
+
+    def reshard(self) -> None:
+        self.wait_unshard()
+        for p in self.params:
+            p.free_unsharded()
+            p.register("sharded")
+        self.unsharded = False
+
+    def register_unsharded(self) -> None:
+        for p in self.params:
+            p.register("unsharded")
+
+    # -- gradients -------------------------------------------------------------------
+    def _on_grad_ready(self, _param: torch.Tensor) -> None:
+        self.grads_ready += 1
+        self.needs_reduce = True
+        if self.grads_ready == sum(p.requires_grad for p in self.params):
+            self.ctx.post_backward(self)
+
+    def reduce_grads(self) -> None:
+        """Launch the (async) reduce-scatter of the unsharded gradients, if syncing."""
+        if not self.needs_reduce or not self.requires_sync:
+            return
+        buf = torch.empty((self.k, self.total), dtype=self.reduce_dtype, device=self.compute_device)
+        for p in self.params:
+            g = p.unsharded.grad
+            if g is None:
+                buf[:, p.offset:p.offset + p.segment_numel].zero_()
+            else:
+                p.copy_grad_out(g, buf)
+            p.unsharded.grad = None
+        self.counts["reduce_scatter"] += 1
+        if self.k == 1:
+            self._reduce = (None, buf.view(-1))
+        else:
+            out = buf.new_empty(self.total)
+            self._reduce = (dist.reduce_scatter_single(out, buf.view(-1), group=self.shard_group, async_op=True), out)
+        self.needs_reduce = False
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter and accumulate into the sharded ``.grad``s."""
+        if self._reduce is None:
+            return
+        work, out = self._reduce
+        self._reduce = None
+        if work is not None:
+            work.wait()
+        out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
+        out = out.div_(self.dp_size).to(self.flat.device, self.dtype, non_blocking=True)
+        for p in self.params:
+            if not p.requires_grad:
+                continue
+            g = out[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
+            if p.sharded.grad is None:
+                p.sharded.grad = g
+            else:
+                p.sharded.grad += g

@@ -1,0 +1,137 @@
+"""Forward/backward hooks of ``fully_shard`` modules and the per-tree context.
+
+Every ``fully_shard`` module gets an ``FSDPState`` with a forward pre-hook (prepended, so
+it runs before tensor-parallel hooks and they see the unsharded parameters) and a forward
+hook. The first FSDP module to run forward is the root: it builds a ``_Context`` shared
+by all FSDP modules below it, which records the forward order once (for implicit
+prefetch: the next group's all-gather is started before the current group computes;
+in backward, the previous one's) and queues one callback at the end of every backward
+that flushes the remaining reduce-scatters and waits for them, so the sharded
+``.grad``s are complete when ``backward()`` returns.
+
+Backward per group: a hook on the module's forward outputs fires when their gradient is
+ready (pre-backward: all-gather again if resharded); post-accumulate-grad hooks on the
+unsharded parameters count gradients, and the last one starts the reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ._group import FSDPParamGroup, MixedPrecisionPolicy
+
+
+class _Context:
+    def __init__(self, states: list["FSDPState"]) -> None:
+        self.states = states
+        self.order: list[FSDPState] = []
+        self.recording = True
+        self.callback_queued = False
+        self.in_flight: FSDPParamGroup | None = None
+
+    def neighbour(self, state: "FSDPState", step: int) -> list["FSDPState"]:
+        if self.recording or state not in self.order:
+            return []
+        i = self.order.index(state) + step
+        return [self.order[i]] if 0 <= i < len(self.order) else []
+
+    def post_backward(self, group: FSDPParamGroup) -> None:
+        if group.requires_sync and group.needs_reduce:
+            if self.in_flight is not None and self.in_flight is not group:
+                self.in_flight.finish_reduce()  # keep one reduce-scatter in flight
+            group.reduce_grads()
+            self.in_flight = group
+        if group.reshard_after_backward:
+            group.reshard()
+
+    def queue_final_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.final_callback)
+
+    def final_callback(self) -> None:
+        groups = [s.group for s in reversed(self.order or self.states) if s.group is not None]
+        for g in groups:
+            if g.needs_reduce:  # groups whose every gradient did not arrive (unused params)
+                self.post_backward(g)
+        for g in groups:
+            g.finish_reduce()
+            if g.reshard_after_backward and g.unsharded:
+                g.reshard()
+            g.grads_ready = 0
+        for s in self.states:
+            s.in_backward = False
+        self.in_flight = None
+        self.callback_queued = False
+
+
+class FSDPState:
+    def __init__(self, module: torch.nn.Module, group: FSDPParamGroup | None, mp: MixedPrecisionPolicy) -> None:
+        self.module, self.group, self.mp = module, group, mp
+        self.ctx: _Context | None = None
+        self.is_root = False
+        self.in_backward = False
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+
+    def _lazy_init(self) -> None:
+        states = [m._fsdp2d_fsdp for m in self.module.modules() if getattr(m, "_fsdp2d_fsdp", None) is not None
+                  and m._fsdp2d_fsdp.module is m]
+        ctx = _Context(states)
+        for s in states:
+            s.ctx, s.is_root = ctx, s is self
+            if s.group is not None:
+                s.group.ctx = ctx
+        if self.group is not None:  # the root's parameters are needed first in backward
+            self.group.reshard_after_forward = False
+
+    def pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.ctx is None:
+            self._lazy_init()
+        ctx = self.ctx
+        if ctx.recording:
+            ctx.order.append(self)
+        if self.group is not None:
+            self.group.sync_params()
+            self.group.unshard()
+            self.group.register_unsharded()
+        prefetch = self.forward_prefetch if self.forward_prefetch is not None else ctx.neighbour(self, 1)
+        for s in prefetch:
+            if s.group is not None:
+                s.group.unshard(async_op=True)
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        if self.group is not None and self.group.reshard_after_forward and not self.in_backward:
+            self.group.reshard()
+        if self.is_root and self.ctx.recording:
+            self.ctx.recording = False
+        if self.mp.output_dtype is not None:
+            output = _cast(output, self.mp.output_dtype)
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        if self.in_backward:
+            return
+        self.in_backward = True
+        self.ctx.queue_final_callback()
+        if self.group is not None:
+            self.group.unshard()
+            self.group.register_unsharded()
+        prefetch = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.neighbour(self, -1)
+        for s in prefetch:
+            if s.group is not None and not s.in_backward:
+                s.group.unshard(async_op=True)
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)

@@ -1,0 +1,241 @@
+"""Placements and the frozen ``Layout`` of a sharded tensor: pure index math.
+
+A tensor spread over a device mesh is described per mesh *axis* by a placement:
+``Shard(dim)`` splits tensor *dim* across the axis, ``Replicate()`` keeps a full copy on
+every rank of the axis, ``Partial()`` holds a summand of the true value. A ``Layout``
+adds the global shape, the mesh shape and the coordinate of one rank, and answers
+which box of the global tensor that rank holds (``global_offset``, ``local_shape``).
+
+Uneven sizes follow ``torch.chunk``: a dim of size ``n`` split ``k`` ways gives chunks of
+``ceil(n / k)``; trailing ranks get smaller or empty chunks. When several axes shard the
+same dim, they split in ``split_order`` (default: mesh-axis order), each one splitting
+the piece left by the previous: fsdp2d's 2D layouts are TP-major (TP splits the global
+tensor, FSDP splits the TP shard), so every box is one contiguous hyper-rectangle.
+
+Nothing here touches a process group: these functions are the single source of truth
+for layouts, shared by tensor parallelism, FSDP, the bridge and checkpoints.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "Layout", "chunk_range", "Box"]
+
+
+class Placement:
+    """Base class: how a tensor is spread over one mesh axis."""
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Shard(Placement):
+    """Tensor dim ``dim`` is split across the axis (``torch.chunk`` semantics).
+
+    ``dim`` may be negative (``Shard(-1)`` = last dim); ``Layout`` normalises it.
+    """
+
+    dim: int
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or self.dim == dim
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate(Placement):
+    """Every rank of the axis holds the full (axis-wise) tensor."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Partial(Placement):
+    """Every rank holds a summand; the true value is the sum over the axis."""
+
+    reduce_op: str = "sum"
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "Partial()"
+
+
+def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """``(offset, length)`` of chunk ``index`` when ``size`` is split ``num_chunks`` ways.
+
+    Matches ``torch.chunk``: chunks of ``ceil(size / num_chunks)``, the last non-empty one
+    may be shorter, and chunks past the end are empty (offset clamped to ``size``).
+    """
+    if num_chunks < 1 or not 0 <= index < num_chunks:
+        raise ValueError(f"chunk index {index} out of range for {num_chunks} chunks")
+    step = -(-size // num_chunks) if size else 0
+    start = min(index * step, size)
+    return start, min(step, size - start)
+
+
+@dataclass(frozen=True)
+class Box:
+    """A hyper-rectangle of a global tensor: where a local shard sits."""
+
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.global_offset, self.local_shape))
+
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def intersect(self, other: "Box") -> "Box | None":
+        """The overlap of two boxes, or None when they do not overlap (or it is empty)."""
+        lo = tuple(max(a, b) for a, b in zip(self.global_offset, other.global_offset))
+        hi = tuple(
+            min(a + n, b + m)
+            for a, n, b, m in zip(
+                self.global_offset, self.local_shape, other.global_offset, other.local_shape
+            )
+        )
+        if any(h <= l for l, h in zip(lo, hi)) and lo:
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one rank's local shard sits in a tensor spread over a mesh.
+
+    Fields:
+        global_shape: shape of the whole (logical) tensor.
+        mesh_shape: size of each mesh axis.
+        axis_names: name of each mesh axis (``("dp", "tp")``).
+        placements: one placement per mesh axis.
+        coordinate: this rank's index along each mesh axis.
+        split_order: mesh axes in the order their ``Shard`` placements split; the first
+            splits the global tensor, each later one splits the piece left before it.
+            Default (None): mesh-axis order.
+
+    Example::
+
+        >>> lay = Layout((10, 6), (2, 2), ("dp", "tp"), (Shard(0), Shard(1)), (1, 0))
+        >>> lay.global_offset, lay.local_shape
+        ((5, 0), (5, 3))
+    """
+
+    global_shape: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    placements: tuple[Placement, ...]
+    coordinate: tuple[int, ...]
+    split_order: tuple[int, ...] | None = None
+    _box: Box = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        set_("global_shape", tuple(int(s) for s in self.global_shape))
+        set_("mesh_shape", tuple(int(s) for s in self.mesh_shape))
+        set_("axis_names", tuple(self.axis_names))
+        set_("coordinate", tuple(int(c) for c in self.coordinate))
+        set_("placements", tuple(self._normalise(p) for p in self.placements))
+        n = len(self.mesh_shape)
+        if not len(self.axis_names) == len(self.placements) == len(self.coordinate) == n:
+            raise ValueError(
+                f"Layout needs one axis name, placement and coordinate per mesh axis "
+                f"(mesh_shape={self.mesh_shape}, axis_names={self.axis_names}, "
+                f"placements={self.placements}, coordinate={self.coordinate})"
+            )
+        for axis, (c, s) in enumerate(zip(self.coordinate, self.mesh_shape)):
+            if not 0 <= c < s:
+                raise ValueError(f"coordinate {c} outside mesh axis {self.axis_names[axis]!r} of size {s}")
+        order = tuple(range(n)) if self.split_order is None else tuple(self.split_order)
+        if sorted(order) != list(range(n)):
+            raise ValueError(f"split_order {order} must be a permutation of the mesh axes 0..{n - 1}")
+        set_("split_order", order)
+        set_("_box", self._compute_box())
+
+    def _normalise(self, p: Placement) -> Placement:
+        if not isinstance(p, Placement):
+            raise TypeError(f"placement {p!r} is not a Shard, Replicate or Partial")
+        if isinstance(p, Shard):
+            ndim = len(self.global_shape)
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(f"Shard({p.dim}) is out of range for a tensor of shape {self.global_shape}")
+            return Shard(p.dim % ndim)
+        return p
+
+    def _compute_box(self) -> Box:
+        offset = [0] * len(self.global_shape)
+        shape = list(self.global_shape)
+        for axis in self.split_order:
+            p = self.placements[axis]
+            if isinstance(p, Shard):
+                start, length = chunk_range(shape[p.dim], self.mesh_shape[axis], self.coordinate[axis])
+                offset[p.dim] += start
+                shape[p.dim] = length
+        return Box(tuple(offset), tuple(shape))
+
+    # -- the box of this rank ------------------------------------------------------
+    @property
+    def box(self) -> Box:
+        return self._box
+
+    @property
+    def global_offset(self) -> tuple[int, ...]:
+        return self._box.global_offset
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self._box.local_shape
+
+    # -- other ranks -----------------------------------------------------------------
+    def at(self, coordinate: Sequence[int]) -> "Layout":
+        """The same layout seen from another mesh coordinate."""
+        return Layout(self.global_shape, self.mesh_shape, self.axis_names, self.placements,
+                      tuple(coordinate), self.split_order)
+
+    def coordinates(self) -> Iterator[tuple[int, ...]]:
+        """Every coordinate of the mesh, in row-major (rank) order."""
+        return itertools.product(*(range(s) for s in self.mesh_shape))
+
+    def is_replica_owner(self) -> bool:
+        """True on exactly one rank per distinct non-empty box: the one with coordinate 0
+        on every axis that does not shard (Replicate or Partial). Used to write a box
+        once. (Empty boxes can have several owners; they hold nothing to write.)"""
+        return all(c == 0 for c, p in zip(self.coordinate, self.placements) if not isinstance(p, Shard))
+
+    def axis(self, name: str) -> int:
+        try:
+            return self.axis_names.index(name)
+        except ValueError:
+            raise KeyError(f"mesh axis {name!r} not in layout axes {self.axis_names}") from None
+
+    # -- data ------------------------------------------------------------------------
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``full`` (a view; ``Partial`` axes keep the full value
+        on coordinate 0 and zeros elsewhere, so the sum over the axis is ``full``)."""
+        if tuple(full.shape) != self.global_shape:
+            raise ValueError(f"tensor of shape {tuple(full.shape)} does not match layout global shape {self.global_shape}")
+        local = full[self._box.slices()]
+        if any(p.is_partial() and c != 0 for p, c in zip(self.placements, self.coordinate)):
+            local = torch.zeros_like(local)
+        return local

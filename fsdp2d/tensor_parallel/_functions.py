@@ -1,0 +1,193 @@
+"""Tensor-parallel collectives as tiny autograd functions.
+
+Each function is a forward/backward pair over one process group (the TP axis); all are
+identities at group size 1. Activations stay plain tensors.
+
+==========================  ===========================  ===========================
+function                    forward                      backward
+==========================  ===========================  ===========================
+``copy_to_tp``              identity                     all-reduce (sum)
+``reduce_from_tp``          all-reduce (sum)             identity
+``gather_from_tp(dim)``     all-gather along dim         split (grad is complete)
+``scatter_to_tp(dim)``      split along dim              all-gather
+``reduce_scatter_to_tp``    reduce-scatter along dim     all-gather
+==========================  ===========================  ===========================
+
+**Sharing one backward reduction.** A column-wise layer sees its input replicated but
+produces only a *partial* gradient for it (its slice of the output features), so the
+gradient must be summed over TP. Layers that read the same tensor (q/k/v, gate/up)
+would each all-reduce their own partial gradient; instead :func:`tp_input` wraps a
+tensor once and caches the wrapper on it, so autograd sums the layers' partial
+gradients first and one collective reduces them. When the input itself came from a
+sequence-parallel all-gather, the partial gradients are reduce-scattered straight back
+to the sequence shard (one reduce-scatter instead of an all-reduce plus a split), and
+any other, complete, gradient of the gathered tensor is split as usual: both paths
+add up in the shard's gradient, so mixing TP and replicated consumers stays exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .. import _collectives as C
+
+Group = C.Group
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return C.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, global_size):
+        ctx.dim, ctx.group = dim, group
+        ctx.set_materialize_grads(False)
+        return C.all_gather(x, dim, group, global_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:  # only partial-gradient consumers (see _PartialGradToShard)
+            return None, None, None, None
+        return C.split(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group, ctx.global_size = dim, group, x.shape[dim]
+        return C.split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_gather(grad, ctx.dim, ctx.group, ctx.global_size), None, None
+
+
+class _ReduceScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group, ctx.global_size = dim, group, x.shape[dim]
+        return C.reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_gather(grad, ctx.dim, ctx.group, ctx.global_size), None, None
+
+
+class _PartialGradToShard(torch.autograd.Function):
+    """Forward: ``full`` unchanged. Backward: the (partial) gradient of ``full`` is
+    reduce-scattered along ``dim`` and delivered to ``shard``, the tensor that was
+    all-gathered into ``full``; nothing flows to ``full`` itself."""
+
+    @staticmethod
+    def forward(ctx, full, shard, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, C.reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+def _identity_at_size_1(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def wrapper(x: torch.Tensor, *args: Any, group: Group, **kwargs: Any) -> torch.Tensor:
+        if C.group_size(group) == 1:
+            return x
+        return fn(x, *args, group=group, **kwargs)
+
+    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+    return wrapper
+
+
+@_identity_at_size_1
+def copy_to_tp(x: torch.Tensor, *, group: Group) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient in backward. Shape unchanged."""
+    return _CopyToTP.apply(x, group)
+
+
+@_identity_at_size_1
+def reduce_from_tp(x: torch.Tensor, *, group: Group) -> torch.Tensor:
+    """All-reduce (sum) forward; identity backward. Partial -> Replicate."""
+    return _ReduceFromTP.apply(x, group)
+
+
+@_identity_at_size_1
+def gather_from_tp(x: torch.Tensor, dim: int, *, group: Group, global_size: int | None = None) -> torch.Tensor:
+    """All-gather along ``dim`` ((.., n/k, ..) -> (.., n, ..)); backward splits the
+    (complete) gradient. Shard(dim) -> Replicate. The result is tagged so that
+    :func:`tp_input` can reduce-scatter TP consumers' partial gradients directly."""
+    out = _GatherFromTP.apply(x, dim, group, global_size)
+    out._fsdp2d_gathered = (group, dim, x)
+    return out
+
+
+@_identity_at_size_1
+def scatter_to_tp(x: torch.Tensor, dim: int, *, group: Group) -> torch.Tensor:
+    """Split along ``dim`` ((.., n, ..) -> (.., n/k, ..)); backward all-gathers.
+    Replicate -> Shard(dim)."""
+    return _ScatterToTP.apply(x, dim, group)
+
+
+@_identity_at_size_1
+def reduce_scatter_to_tp(x: torch.Tensor, dim: int, *, group: Group) -> torch.Tensor:
+    """Reduce-scatter along ``dim`` ((.., n, ..) -> (.., n/k, ..)); backward all-gathers.
+    Partial -> Shard(dim)."""
+    return _ReduceScatterToTP.apply(x, dim, group)
+
+
+def tp_input(x: torch.Tensor, *, group: Group) -> torch.Tensor:
+    """The tensor a column-wise layer should consume for replicated input ``x``.
+
+    Wraps ``x`` so that the partial gradients of all TP consumers are summed by one
+    collective (see the module docstring), and caches the wrapper on ``x`` so that
+    every layer reading ``x`` in this graph shares it. The cache is keyed on the group,
+    grad mode and ``x``'s version counter, so an in-place edit or a no-grad pass never
+    reuses a stale wrapper.
+    """
+    if C.group_size(group) == 1 or not torch.is_floating_point(x):
+        return x
+    key = (id(group), torch.is_grad_enabled(), x._version)
+    cached = getattr(x, "_fsdp2d_tp_input", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    gathered = getattr(x, "_fsdp2d_gathered", None)
+    if gathered is not None and gathered[0] is group:
+        _, dim, shard = gathered
+        out = _PartialGradToShard.apply(x, shard, dim, group)
+    else:
+        out = _CopyToTP.apply(x, group)
+    x._fsdp2d_tp_input = (key, out)
+    return out
+
+
+def gather_cached(x: torch.Tensor, dim: int, *, group: Group) -> torch.Tensor:
+    """``gather_from_tp`` shared by every consumer of ``x`` (one all-gather for q/k/v
+    reading the same sequence shard)."""
+    if C.group_size(group) == 1:
+        return x
+    key = (id(group), dim, torch.is_grad_enabled(), x._version)
+    cached = getattr(x, "_fsdp2d_gather", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    out = gather_from_tp(x, dim, group=group)
+    x._fsdp2d_gather = (key, out)
+    return out

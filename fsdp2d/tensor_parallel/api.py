@@ -1,0 +1,113 @@
+"""``parallelize_module``: apply a declarative TP plan to a module tree.
+
+A plan is a style (for the module itself) or a dict ``{pattern: style}`` whose patterns
+match fully qualified module names with ``fnmatch`` per dotted level
+(``layers.*.attention.wq`` matches ``layers.0.attention.wq``, ``layers.1.attention.wq``
+and so on; ``*`` never crosses a dot). The whole plan is resolved and validated before
+any module changes, so a bad plan leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import difflib
+from fnmatch import fnmatchcase
+from typing import Mapping
+
+from torch import nn
+
+from ..mesh import DeviceMesh
+from .style import ParallelStyle
+
+__all__ = ["parallelize_module"]
+
+
+def _match(root: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """Modules under ``root`` whose dotted path matches ``pattern`` level by level."""
+    found = [("", root)]
+    for part in pattern.split("."):
+        found = [
+            (f"{path}.{name}" if path else name, child)
+            for path, mod in found
+            for name, child in mod.named_children()
+            if fnmatchcase(name, part)
+        ]
+    return found
+
+
+def _resolve(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple[str, nn.Module, ParallelStyle]]:
+    all_names = [n for n, _ in module.named_modules() if n]
+    chosen: dict[str, tuple[str, nn.Module, ParallelStyle]] = {}
+    owner: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(f"plan entry {pattern!r}: expected a ParallelStyle, got {type(style).__name__}")
+        matches = _match(module, pattern)
+        if not matches:
+            close = difflib.get_close_matches(pattern, all_names, n=3, cutoff=0.4)
+            hint = f"; closest module names: {', '.join(close)}" if close else ""
+            raise ValueError(f"parallelize_module: plan pattern {pattern!r} matches no module{hint}")
+        for fqn, mod in matches:
+            if fqn in chosen:
+                raise ValueError(
+                    f"parallelize_module: module {fqn!r} is matched by two plan patterns, "
+                    f"{owner[fqn]!r} and {pattern!r}; make the patterns disjoint"
+                )
+            chosen[fqn], owner[fqn] = (fqn, mod, style), pattern
+    return list(chosen.values())
+
+
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
+                       parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle] | None = None,
+                       *, src_data_rank: int | None = 0) -> nn.Module:
+    """Shard ``module``'s parameters over the TP mesh following ``parallelize_plan``.
+
+    Args:
+        module: the model (on CPU, CUDA or the meta device). Apply before ``fully_shard``.
+        device_mesh: a 1-D mesh, usually ``mesh["tp"]``.
+        parallelize_plan: a style for ``module`` itself, or ``{pattern: style}``.
+        src_data_rank: TP rank whose full parameter values are broadcast before slicing
+            (torch's default, 0); ``None`` slices each rank's own values without
+            communicating.
+
+    Returns ``module``, changed in place: each planned parameter is now a plain
+    ``nn.Parameter`` holding this rank's shard (see :func:`tp_params` for layouts).
+
+    Example::
+
+        tp = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        parallelize_module(model, tp, {"layers.*.mlp.fc1": ColwiseParallel(),
+                                       "layers.*.mlp.fc2": RowwiseParallel()})
+
+    Raises: ValueError for a mesh that is not 1-D, a pattern that matches nothing (with
+    the closest names) or two patterns matching one module; TypeError for a style that
+    cannot apply to the module it matched (naming the module); RuntimeError when the
+    module was already passed to ``fully_shard`` (wrong order).
+    """
+    if device_mesh is None or not isinstance(device_mesh, DeviceMesh):
+        raise ValueError("parallelize_module needs device_mesh: an fsdp2d 1-D mesh such as mesh['tp']")
+    if device_mesh.ndim != 1:
+        raise ValueError(
+            f"parallelize_module needs a 1-D mesh, got axes {device_mesh.mesh_dim_names}; "
+            f"pass the TP sub-mesh, e.g. mesh[{device_mesh.mesh_dim_names[-1]!r}]"
+        )
+    if parallelize_plan is None:
+        return module
+    for name, mod in module.named_modules():
+        if getattr(mod, "_fsdp2d_fsdp", None) is not None:
+            raise RuntimeError(
+                f"parallelize_module after fully_shard: module {name or '<root>'!r} is already "
+                f"fully sharded. Apply tensor parallelism first, then fully_shard"
+            )
+    if isinstance(parallelize_plan, ParallelStyle):
+        targets = [("", module, parallelize_plan)]
+    else:
+        targets = _resolve(module, parallelize_plan)
+    for fqn, mod, style in targets:
+        style.validate(mod, fqn)
+        for pname in getattr(mod, "_fsdp2d_tp", {}):
+            raise ValueError(f"parallelize_module: parameter {fqn}.{pname} is already tensor-parallel")
+    for fqn, mod, style in targets:
+        if src_data_rank != 0:
+            style.src_data_rank = src_data_rank
+        style.apply(mod, fqn, device_mesh)
+    return module

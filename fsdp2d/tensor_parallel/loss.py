@@ -1,0 +1,131 @@
+"""``loss_parallel()``: cross-entropy on vocab-sharded logits without gathering them.
+
+A ``ColwiseParallel`` layer whose output stays ``Shard(-1)`` tags its (local) logits
+with the TP group and the global vocab size. Inside ``with loss_parallel():`` a torch
+function mode follows that tag through shape-only ops that keep the last dim
+(``flatten``, ``view``, ``reshape``, slicing, ``float``...) and routes
+``F.cross_entropy`` on a tagged tensor to :class:`_VocabParallelCrossEntropy`, which
+needs three small all-reduces of (N,) vectors instead of an all-gather of (N, V)
+logits. Call ``backward()`` inside the context too, as with torch's.
+
+Outside the context, a tagged tensor is just this rank's slice of the vocab: compute
+losses on it only under ``loss_parallel()`` (or use ``output_layouts=Replicate()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .. import _collectives as C
+from ..placement import chunk_range
+
+__all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
+
+_SHAPE_OPS = {
+    torch.Tensor.flatten, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.contiguous,
+    torch.Tensor.float, torch.Tensor.to, torch.Tensor.__getitem__, torch.flatten, torch.reshape,
+    torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.double,
+}
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-row loss ``logsumexp(x) - x[target]`` over vocab shards. Shapes: logits
+    (N, V/k) local, target (N,) global ids; returns (N,) losses (0 where ignored)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start, ignore_index):
+        x = logits.float()
+        row_max = x.max(dim=-1).values
+        row_max = C.all_reduce(row_max, group, dist.ReduceOp.MAX)
+        shifted = x - row_max.unsqueeze(-1)  # (N, V/k)
+        exp = shifted.exp()
+        local_t = target - vocab_start
+        mine = (local_t >= 0) & (local_t < x.shape[-1]) & (target != ignore_index)
+        picked = shifted.gather(-1, local_t.clamp(0, max(x.shape[-1] - 1, 0)).unsqueeze(-1)).squeeze(-1)
+        stats = torch.stack([exp.sum(-1), torch.where(mine, picked, 0.0)])  # (2, N) one reduce
+        stats = C.all_reduce(stats, group)
+        loss = stats[0].log() - stats[1]
+        valid = target != ignore_index
+        loss = torch.where(valid, loss, 0.0)
+        ctx.save_for_backward(exp / stats[0].unsqueeze(-1), local_t, mine, valid)
+        ctx.in_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, mine, valid = ctx.saved_tensors
+        grad = softmax.clone()  # d loss / d logits = softmax - onehot(target)
+        rows = torch.nonzero(mine, as_tuple=True)[0]
+        grad[rows, local_t[rows]] -= 1.0
+        grad *= (grad_loss * valid).unsqueeze(-1)
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, group: C.Group,
+                                 vocab_size: int, ignore_index: int = -100,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of (N, V/k) vocab-sharded ``logits`` against (N,) global ``target``.
+
+    Matches ``F.cross_entropy`` (mean over non-ignored targets, ``sum`` or ``none``).
+    """
+    if logits.ndim != 2 or target.shape != logits.shape[:1]:
+        raise ValueError(
+            f"loss_parallel cross_entropy needs logits (N, V) with the vocab last and target (N,); "
+            f"got {tuple(logits.shape)} and {tuple(target.shape)}. Flatten batch and sequence first"
+        )
+    start, _ = chunk_range(vocab_size, C.group_size(group), C.group_rank(group))
+    loss = _VocabParallelCrossEntropy.apply(logits, target, group, start, ignore_index)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / (target != ignore_index).sum()
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+class _LossParallelMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        tag = getattr(src, "_fsdp2d_vocab", None) if src is not None else None
+        if tag is not None and func is F.cross_entropy:
+            return _cross_entropy(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if tag is not None and func in _SHAPE_OPS and isinstance(out, torch.Tensor) \
+                and out.ndim and out.shape[-1] == src.shape[-1]:
+            out._fsdp2d_vocab = tag
+        return out
+
+
+def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                   reduction="mean", label_smoothing=0.0):
+    unsupported = {"weight": weight is not None, "size_average": size_average is not None,
+                   "reduce": reduce is not None, "label_smoothing": label_smoothing != 0.0}
+    for name, given in unsupported.items():
+        if given:
+            raise NotImplementedError(f"loss_parallel cross_entropy does not support the {name} argument")
+    group, vocab_size = input._fsdp2d_vocab
+    return vocab_parallel_cross_entropy(input, target, group=group, vocab_size=vocab_size,
+                                        ignore_index=ignore_index, reduction=reduction)
+
+
+@contextlib.contextmanager
+def loss_parallel() -> Iterator[None]:
+    """Compute ``F.cross_entropy`` on vocab-sharded logits (``ColwiseParallel`` with
+    ``output_layouts=Shard(-1)``) without gathering them; run backward inside too.
+
+    Example::
+
+        with loss_parallel():
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+    """
+    with _LossParallelMode():
+        yield
