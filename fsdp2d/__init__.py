@@ -6,6 +6,8 @@ train; parameters at rest are plain local shards with a frozen ``Layout``.
 
 from .mesh import DeviceMesh, init_device_mesh
 from .placement import Layout, Partial, Placement, Replicate, Shard
+from .bridge import DTensorExtensions, LocalShard, from_dtensor, gather_full, to_dtensor
+from .clip import clip_grad_norm_
 from .fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle,
                    fsdp_params, fully_shard, summon_full_params)
 from .tensor_parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
@@ -17,5 +19,6 @@ __all__ = [
     "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "loss_parallel", "tp_params",
     "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle",
-    "fsdp_params", "summon_full_params",
+    "fsdp_params", "summon_full_params", "DTensorExtensions", "LocalShard", "gather_full", "to_dtensor",
+    "from_dtensor", "clip_grad_norm_",
 ]

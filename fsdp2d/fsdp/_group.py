@@ -110,6 +110,7 @@ class FSDPParamGroup:
                 p.sharded = current
             else:
                 p.sharded = torch.nn.Parameter(view, requires_grad=p.requires_grad)
+            p.sharded._fsdp2d_layout = p.layout  # the 2D layout, read by clip_grad_norm_
             p.register("sharded")
             p.make_unsharded(self.param_dtype, device)
             if p.requires_grad:

@@ -49,8 +49,22 @@ def shard_parameter(module: nn.Module, name: str, placement: Placement, mesh: De
     if src_data_rank is not None:
         full = C.broadcast(full, mesh.get_group(), src_data_rank)
     local = layout.shard(full).clone(memory_format=torch.contiguous_format)
-    module._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
-    module.__dict__.setdefault("_fsdp2d_tp", {})[name] = TPParam(layout, mesh)
+    new = nn.Parameter(local, requires_grad=param.requires_grad)
+    new._fsdp2d_layout = layout  # read by clip_grad_norm_; refreshed by _refresh_layouts
+    module._parameters[name] = new
+    if "_fsdp2d_tp" not in module.__dict__:
+        module._fsdp2d_tp = {}
+        module.register_forward_pre_hook(_refresh_layouts)
+    module._fsdp2d_tp[name] = TPParam(layout, mesh)
+
+
+def _refresh_layouts(module: nn.Module, args: tuple) -> None:
+    """Re-tag parameters that ``to_empty()``/``_apply`` replaced (FSDP-managed ones are
+    tagged with their 2D layout by FSDP and left alone)."""
+    for name, info in module._fsdp2d_tp.items():
+        p = module._parameters.get(name)
+        if p is not None and getattr(p, "_fsdp2d_layout", None) is None:
+            p._fsdp2d_layout = info.layout
 
 
 def mark_partial_grads(module: nn.Module, names: tuple[str, ...], group: C.Group) -> None:

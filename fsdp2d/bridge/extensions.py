@@ -1,0 +1,241 @@
+"""``DTensorExtensions``: the 2D bridge between TP shards and FSDP's dim-0 chunks.
+
+An fsdp2d sharded tensor is a plain local tensor plus its :class:`Layout`, bundled here
+as :class:`LocalShard`. The bridge's operations mirror the seed
+(``torch/distributed/tensor/parallel/fsdp.py``) and accept either an fsdp2d
+``LocalShard`` or a torch ``DTensor`` on a 1-D TP mesh:
+
+- ``pre_flatten_transform(t)`` -> ``(local tensor, extension)``: strip the TP metadata
+  so FSDP handles a plain tensor; the extension remembers it.
+- ``post_unflatten_transform(local, extension)``: put it back (same kind as the input).
+- ``chunk_tensor(t, rank, world_size)``: the ``rank``-th dim-0 chunk of a tensor that TP
+  does not shard, with its FSDP-only layout.
+- ``chunk_dtensor(t, rank, mesh)``: chunk a TP-sharded tensor again along dim 0 over the
+  FSDP axes of a 2D/3D ``mesh`` (TP-major): the ShardedTensor-style result knows every
+  rank's box.
+- ``pre_load_state_dict_transform(t)`` -> ``(local tensor, [Box])``: what this rank holds,
+  as boxes in global coordinates (what a checkpoint loader needs).
+- ``all_gather_dtensor(t, mesh)``: undo the FSDP chunking (all-gather over the FSDP axes),
+  giving back the TP-local shard.
+- ``all_gather(t, mesh)``: the full global tensor on every rank.
+
+All index math comes from :mod:`fsdp2d.placement`; communication is per mesh axis, in the
+reverse of the split order, so every step gathers one contiguous piece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _collectives as C
+from ..mesh import DeviceMesh
+from ..placement import Box, Layout, Partial, Replicate, Shard, chunk_range
+from ._layout import fsdp_layout
+
+__all__ = ["LocalShard", "DTensorExtensions", "gather_full", "gather_axes", "to_dtensor", "from_dtensor"]
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """This rank's piece of a sharded tensor and where it sits (``layout``)."""
+
+    tensor: torch.Tensor
+    layout: Layout
+
+    def __post_init__(self) -> None:
+        if tuple(self.tensor.shape) != self.layout.local_shape:
+            raise ValueError(f"local tensor shape {tuple(self.tensor.shape)} != layout local shape "
+                             f"{self.layout.local_shape}")
+
+
+def _pieces_before(layout: Layout) -> dict[int, tuple[int, ...]]:
+    """For each mesh axis, the shape of the piece that axis's split divides."""
+    shape = list(layout.global_shape)
+    before: dict[int, tuple[int, ...]] = {}
+    for axis in layout.split_order:
+        before[axis] = tuple(shape)
+        p = layout.placements[axis]
+        if isinstance(p, Shard):
+            shape[p.dim] = chunk_range(shape[p.dim], layout.mesh_shape[axis], layout.coordinate[axis])[1]
+    return before
+
+
+def gather_axes(local: torch.Tensor, layout: Layout, mesh: DeviceMesh, axes: list[str]) -> tuple[torch.Tensor, Layout]:
+    """Undo the splits of the named ``axes`` (which must come last in the split order):
+    all-gather Shard axes, all-reduce Partial ones. Returns the bigger piece and its layout."""
+    before = _pieces_before(layout)
+    idx = [layout.axis(a) for a in axes]
+    tail = list(layout.split_order[len(layout.split_order) - len(idx):])
+    if sorted(tail) != sorted(idx):
+        raise ValueError(f"axes {axes} are not the last to split in {layout} (split_order {layout.split_order})")
+    x = local
+    placements = list(layout.placements)
+    for axis in reversed(layout.split_order):
+        if axis not in idx:
+            continue
+        p, group = layout.placements[axis], mesh.get_group(layout.axis_names[axis])
+        if isinstance(p, Shard):
+            x = C.all_gather(x, p.dim, group, global_size=before[axis][p.dim])
+        elif isinstance(p, Partial):
+            x = C.all_reduce(x.clone(), group)
+        placements[axis] = Replicate()
+    return x, Layout(layout.global_shape, layout.mesh_shape, layout.axis_names, tuple(placements),
+                     layout.coordinate, layout.split_order)
+
+
+def gather_full(local: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> torch.Tensor:
+    """The whole global tensor on every rank of ``mesh``."""
+    return gather_axes(local, layout, mesh, list(layout.axis_names))[0]
+
+
+def _tp_of(t: Any) -> tuple[torch.Tensor, Any]:
+    """(local tensor, extension) of an fsdp2d LocalShard or a torch DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        if t.device_mesh.ndim != 1:
+            raise ValueError(f"expected a DTensor on a 1-D TP mesh, got mesh {t.device_mesh}")
+        return t.to_local(), ("dtensor", t.device_mesh, t.placements, tuple(t.shape), t.stride())
+    if isinstance(t, LocalShard):
+        return t.tensor, ("fsdp2d", t.layout)
+    return t, None
+
+
+class DTensorExtensions:
+    """The 2D extension used by FSDP over TP (see the module docstring for each method)."""
+
+    def pre_flatten_transform(self, tensor: Any) -> tuple[torch.Tensor, Any]:
+        return _tp_of(tensor)
+
+    def post_unflatten_transform(self, tensor: torch.Tensor, param_extension: Any) -> Any:
+        if param_extension is None:
+            return tensor
+        if param_extension[0] == "fsdp2d":
+            return LocalShard(tensor, param_extension[1])
+        from torch.distributed.tensor import DTensor
+
+        _, mesh, placements, shape, stride = param_extension
+        return DTensor.from_local(tensor, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def chunk_tensor(self, tensor: torch.Tensor, rank: int, world_size: int, *_: Any) -> LocalShard:
+        layout = fsdp_layout(tuple(tensor.shape), None, (world_size,), ("dp",), (rank,))
+        return LocalShard(layout.shard(tensor.detach()).clone(), layout)
+
+    def chunk_dtensor(self, tensor: Any, rank: int, device_mesh: DeviceMesh) -> LocalShard:
+        """``device_mesh``: the full mesh, FSDP axes first and the TP axis last."""
+        local, ext = _tp_of(tensor)
+        tp_layout = self._tp_layout(local, ext, device_mesh)
+        fsdp_axes = device_mesh.mesh_dim_names[:-1]
+        coord = device_mesh.get_coordinate()[:-1]
+        if tp_layout is None:  # not TP-sharded: replicated over TP, chunked over FSDP
+            layout = fsdp_layout(tuple(local.shape), None, device_mesh.shape[:-1], fsdp_axes, coord)
+            return LocalShard(layout.shard(local.detach()).clone(), layout)
+        layout = fsdp_layout(tp_layout.global_shape, tp_layout, device_mesh.shape[:-1], fsdp_axes, coord)
+        start, n = chunk_range(local.shape[0], device_mesh.shape[-2], coord[-1])
+        return LocalShard(local.detach()[start:start + n].clone(), layout)
+
+    @staticmethod
+    def _tp_layout(local: torch.Tensor, ext: Any, mesh: DeviceMesh) -> Layout | None:
+        if ext is None:
+            return None
+        if ext[0] == "fsdp2d":
+            return ext[1]
+        _, tmesh, placements, shape, _ = ext
+        tp_name = mesh.mesh_dim_names[-1]
+        return Layout(shape, (tmesh.size(),), (tp_name,), tuple(_from_torch_placement(p) for p in placements),
+                      (tmesh.get_local_rank(),))
+
+    def pre_load_state_dict_transform(self, tensor: Any) -> tuple[torch.Tensor, list[Box]]:
+        if isinstance(tensor, LocalShard):
+            return tensor.tensor, [tensor.layout.box] if tensor.tensor.numel() else []
+        local, ext = _tp_of(tensor)
+        if ext is None:
+            return local, [Box((0,) * local.ndim, tuple(local.shape))]
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, tmesh, placements, shape, _ = ext
+        lshape, offset = compute_local_shape_and_global_offset(shape, tmesh, placements)
+        return local, [Box(tuple(offset), tuple(lshape))] if local.numel() else []
+
+    def all_gather_dtensor(self, tensor: LocalShard, parent_mesh: DeviceMesh) -> LocalShard:
+        """All-gather over the FSDP axes; the TP-local shard with its TP-only layout."""
+        lay = tensor.layout
+        fsdp_axes = [n for n, p in zip(lay.axis_names, lay.placements) if n in parent_mesh.mesh_dim_names[:-1]]
+        x, _ = gather_axes(tensor.tensor, lay, parent_mesh, fsdp_axes)
+        tp = parent_mesh.mesh_dim_names[-1]
+        i = lay.axis(tp)
+        tp_layout = Layout(lay.global_shape, (lay.mesh_shape[i],), (tp,), (lay.placements[i],), (lay.coordinate[i],))
+        return LocalShard(x, tp_layout)
+
+    def all_gather(self, tensor: LocalShard, mesh: DeviceMesh) -> torch.Tensor:
+        return gather_full(tensor.tensor, tensor.layout, mesh)
+
+
+def _to_torch_placement(p: Any) -> Any:
+    from torch.distributed.tensor import Partial as TPartial, Replicate as TReplicate, Shard as TShard
+
+    if isinstance(p, Shard):
+        return TShard(p.dim)
+    return TPartial() if isinstance(p, Partial) else TReplicate()
+
+
+def _from_torch_placement(p: Any) -> Any:
+    if p.is_shard():
+        return Shard(p.dim)
+    return Partial() if p.is_partial() else Replicate()
+
+
+def to_dtensor(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh):
+    """A torch DTensor with the same data layout as (``tensor``, ``layout``) on ``mesh``.
+
+    Axes that shard distinct dims map to torch ``Shard``; a TP-major 2D split of one dim
+    (FSDP over TP) maps to torch's ``_StridedShard`` on the FSDP axis. Layouts torch
+    cannot express raise NotImplementedError.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if tuple(layout.axis_names) != tuple(mesh.mesh_dim_names):
+        raise ValueError(f"layout axes {layout.axis_names} != mesh axes {mesh.mesh_dim_names}")
+    placements = [_to_torch_placement(p) for p in layout.placements]
+    by_dim: dict[int, list[int]] = {}
+    for axis, p in enumerate(layout.placements):
+        if isinstance(p, Shard):
+            by_dim.setdefault(p.dim, []).append(axis)
+    for dim, axes in by_dim.items():
+        order = [a for a in layout.split_order if a in axes]
+        if order == sorted(order):
+            continue
+        if len(axes) != 2:
+            raise NotImplementedError(f"to_dtensor: {len(axes)} axes split dim {dim} out of mesh order")
+        inner, outer = order  # inner splits first but sits later in the mesh
+        placements[outer] = _StridedShard(dim, split_factor=layout.mesh_shape[inner])
+    shape = layout.global_shape
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(tensor, mesh.to_torch(), placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def from_dtensor(dt: Any) -> tuple[torch.Tensor, Layout]:
+    """(local tensor, Layout) of a torch DTensor; inverse of :func:`to_dtensor`."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = dt.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    placements, strided = [], []
+    for axis, p in enumerate(dt.placements):
+        placements.append(_from_torch_placement(p))
+        if isinstance(p, _StridedShard):
+            strided.append(axis)
+    order = list(range(mesh.ndim))
+    for axis in strided:  # the strided axis splits after the axis that shards the same dim
+        dim = dt.placements[axis].dim
+        later = [a for a in order if a != axis and isinstance(placements[a], Shard) and placements[a].dim == dim]
+        order.remove(axis)
+        order.insert(order.index(later[-1]) + 1, axis)
+    layout = Layout(tuple(dt.shape), tuple(mesh.shape), tuple(names), tuple(placements),
+                    tuple(mesh.get_coordinate()), tuple(order))
+    return dt.to_local(), layout

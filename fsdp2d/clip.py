@@ -1,0 +1,73 @@
+"""``clip_grad_norm_`` over every way a parameter can be spread: TP, FSDP, HSDP, plain.
+
+The true global norm counts each element of each logical parameter once. Every fsdp2d
+parameter carries its :class:`Layout` (``param._fsdp2d_layout``), so each rank adds
+``|g|^p`` only for boxes it owns (coordinate 0 on the axes that replicate: a TP-
+replicated norm weight, the HSDP replicate axis) and one all-reduce over the world sums
+the rest. A layout's mesh may cover only part of the world (a TP-only parameter is
+copied on every data-parallel rank): its contribution is divided by the number of such
+copies, so the sum stays exact up to rounding. Parameters without a layout are
+replicated everywhere. Unlike torch's, this works when only some layers are
+TP-sharded (no cross-mesh error).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from .placement import Layout
+
+__all__ = ["clip_grad_norm_"]
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _share(p: torch.Tensor, world: int) -> float:
+    """This rank's weight for ``p``'s gradient in the world-wide sum (0 if not owner)."""
+    layout: Layout | None = getattr(p, "_fsdp2d_layout", None)
+    if layout is None:
+        return 1.0 / world
+    if not layout.is_replica_owner():
+        return 0.0
+    return math.prod(layout.mesh_shape) / world
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale gradients in place so their global ``norm_type``-norm is at most ``max_norm``.
+
+    Returns the total norm (before clipping), identical on every rank. Collective: every
+    rank must call it with the matching parameters.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [(p, p.grad) for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    world = _world()
+    device = grads[0][1].device if grads else torch.device("cpu")
+    if norm_type == math.inf:
+        local = max((g.detach().abs().max().float() for _, g in grads if g.numel()), default=torch.zeros((), device=device))
+        total = local.clone().reshape(1)
+        if world > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        total = total[0]
+    else:
+        acc = torch.zeros(1, dtype=torch.float64, device=device)
+        for p, g in grads:
+            share = _share(p, world)
+            if share and g.numel():
+                acc += torch.linalg.vector_norm(g.detach().double(), norm_type) ** norm_type * share
+        if world > 1:
+            dist.all_reduce(acc)
+        total = (acc[0] ** (1.0 / norm_type)).float()
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {total.item()}")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for _, g in grads:
+        g.detach().mul_(coef.to(g.dtype))
+    return total
