@@ -1,0 +1,123 @@
+"""FSDP's collectives per step, and its per-rank memory for parameters and AdamW state.
+
+Counting: torch.distributed's all-gather and reduce-scatter entry points are wrapped in
+the worker, and only calls on the data-parallel group are counted (TP's own collectives
+run on the TP group). Per training step with L blocks + the root:
+forward L+1 all-gathers, backward L (the blocks reshard after forward; the root keeps
+its parameters, as torch's FSDP2 does), and L+1 reduce-scatters.
+"""
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fsdp2d
+from fsdp2d.models import Llama, LlamaArgs, llama_tp_plan
+
+from .pool import get_mesh
+
+
+def _model_2d(reshard_after_forward: bool = True):
+    mesh = get_mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs.debug())
+    fsdp2d.parallelize_module(model, mesh["tp"], llama_tp_plan())
+    for block in model.layers:
+        fsdp2d.fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+    fsdp2d.fully_shard(model, mesh=mesh["dp"])
+    return mesh, model
+
+
+class _Counter:
+    """Wraps dist.all_gather_single / reduce_scatter_single; counts calls on one group."""
+
+    def __init__(self, group):
+        self.group, self.calls, self._saved = group, [], {}
+
+    def __enter__(self):
+        for name in ("all_gather_single", "reduce_scatter_single"):
+            real = getattr(dist, name)
+            self._saved[name] = real
+
+            def wrapped(*args, _real=real, _name=name, **kwargs):
+                if kwargs.get("group") is self.group:
+                    self.calls.append(_name)
+                return _real(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self._saved.items():
+            setattr(dist, name, real)
+
+
+def job_count_collectives(reshard_after_forward: bool):
+    torch.set_num_threads(1)
+    mesh, model = _model_2d(reshard_after_forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (2, 16))
+    per_step = []
+    for _ in range(3):  # step 0 records the forward order; later steps prefetch
+        with _Counter(mesh["dp"].get_group()) as fwd:
+            loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        with _Counter(mesh["dp"].get_group()) as bwd:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append({
+            "fwd_ag": fwd.calls.count("all_gather_single"),
+            "bwd_ag": bwd.calls.count("all_gather_single"),
+            "rs": fwd.calls.count("reduce_scatter_single") + bwd.calls.count("reduce_scatter_single"),
+        })
+    return per_step
+
+
+def test_one_all_gather_per_group_per_pass(pool):
+    layers = LlamaArgs.debug().n_layers
+    for step in pool.run(job_count_collectives, True)[0]:
+        assert step == {"fwd_ag": layers + 1, "bwd_ag": layers, "rs": layers + 1}, step
+
+
+def test_no_backward_all_gather_without_reshard(pool):
+    layers = LlamaArgs.debug().n_layers
+    for step in pool.run(job_count_collectives, False)[0]:
+        assert step == {"fwd_ag": layers + 1, "bwd_ag": 0, "rs": layers + 1}, step
+
+
+def job_memory():
+    torch.set_num_threads(1)
+    mesh, model = _model_2d()
+    full = Llama(LlamaArgs.debug())
+    n_total = sum(p.numel() for p in full.parameters())
+    # Parameters that TP replicates (norm weights) are held by every TP rank.
+    tp_replicated = sum(p.numel() for n, p in full.named_parameters() if "norm" in n)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (2, 16))
+    F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    opt.step()
+    nbytes = 0
+    for p in model.parameters():
+        nbytes += p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size()
+        state = opt.state[p]
+        nbytes += sum(state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
+    local = sum(p.numel() for p in model.parameters())
+    groups = [m._fsdp2d_fsdp.group for m in model.modules() if isinstance(m, fsdp2d.FSDPModule)]
+    padding = sum(g.total for g in groups) - local
+    dp, tp = mesh.size("dp"), mesh.size("tp")
+    ideal = (n_total - tp_replicated) / (dp * tp) + tp_replicated / dp
+    return {"bytes": nbytes, "local": local, "ideal": ideal, "padding": padding,
+            "n_total": n_total, "dp": dp, "tp": tp}
+
+
+def test_memory_is_16_bytes_per_local_parameter(pool):
+    for rank, r in enumerate(pool.run(job_memory)):
+        print(f"rank {rank}: params+grads+AdamW = {r['bytes']} B = 16 x {r['local']} local elements; "
+              f"N={r['n_total']}, N/(dp*tp) = {r['n_total'] / (r['dp'] * r['tp']):.0f}, "
+              f"exact share with TP-replicated norms = {r['ideal']:.0f}; flat-buffer padding "
+              f"{r['padding']} ({100 * r['padding'] / r['local']:.2f}%)")
+        assert r["bytes"] == 16 * r["local"]
+        assert r["local"] == r["ideal"]  # debug Llama sizes split evenly over 2 x 2
+        assert r["padding"] < 0.01 * r["local"]
