@@ -50,6 +50,7 @@ class FSDPParam:
         self.layout: Layout = fsdp_layout(global_shape, tp.layout if tp is not None else None,
                                           mesh_shape, axis_names, coordinate)
         self.offset = 0  # set by the group
+        self.axis_groups: dict = {}  # mesh axis name -> process group, for every layout axis
         self.unsharded: nn.Parameter | None = None
 
     @property

@@ -175,7 +175,11 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
                 f"fully_shard: mesh axis {axis!r} is the tensor-parallel axis of parameter {fqn!r}; "
                 f"shard over the data axis only, e.g. fully_shard(module, mesh=mesh['dp'])"
             )
-        params.append(FSDPParam(owner, name, fqn, tp, mesh.shape, mesh.mesh_dim_names, mesh.get_coordinate()))
+        param = FSDPParam(owner, name, fqn, tp, mesh.shape, mesh.mesh_dim_names, mesh.get_coordinate())
+        param.axis_groups = {n: mesh.get_group(n) for n in mesh.mesh_dim_names}
+        if tp is not None:
+            param.axis_groups.update({n: tp.mesh.get_group(n) for n in tp.mesh.mesh_dim_names})
+        params.append(param)
     _check_no_shared(params)
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     group = FSDPParamGroup(params, mesh.get_group(mesh.ndim - 1), replicate, mp_policy, offload_policy,

@@ -1,0 +1,32 @@
+"""``python -m fsdp2d.checkpoint {export,inspect}``: offline tools, no process group."""
+
+import argparse
+import sys
+
+from . import CheckpointError, export, inspect
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fsdp2d.checkpoint")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="write a Hugging Face-style full safetensors export")
+    ex.add_argument("ckpt")
+    ex.add_argument("out")
+    ex.add_argument("--max-shard-gib", type=float, default=5.0, help="split files larger than this")
+    ins = sub.add_parser("inspect", help="print tensors, shapes, dtypes, mesh and sizes")
+    ins.add_argument("ckpt")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "export":
+            for path in export(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_gib * 2**30)):
+                print(path)
+        else:
+            print(inspect(args.ckpt))
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""State dicts, a keep-last-K manager, and the offline export to Hugging Face safetensors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save as st_save
+
+from ..bridge import LocalShard, gather_full
+from ..placement import Box
+from ._entries import model_entries
+from ._io import INDEX, FORMAT, VERSION, _Files, _fsync_write, read_box, read_index, save
+
+__all__ = ["get_model_state_dict", "CheckpointManager", "export", "inspect"]
+
+
+def get_model_state_dict(model: torch.nn.Module, *, full: bool = True, rank0_only: bool = False) -> dict[str, Any]:
+    """``{fqn: tensor}`` of ``model``.
+
+    ``full=True``: plain full tensors (collective: shards are gathered over the mesh); with
+    ``rank0_only`` only rank 0 keeps them (others get ``{}``). ``full=False``: this rank's
+    pieces as :class:`~fsdp2d.bridge.LocalShard` (tensor + layout), plain tensors for
+    parameters that are not sharded.
+    """
+    out: dict[str, Any] = {}
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    for e in model_entries(model):
+        fqn = e.name.removeprefix("model/")
+        if not full:
+            out[fqn] = e.tensor if e.layout is None else LocalShard(e.tensor, e.layout)
+            continue
+        value = e.tensor if e.layout is None else gather_full(e.tensor.contiguous(), e.layout, e)
+        if keep:
+            out[fqn] = value.detach().clone()
+    return out
+
+
+class CheckpointManager:
+    """Numbered checkpoints ``folder/step_00000100`` with the last ``keep_last`` kept.
+
+    Example::
+
+        ckpts = CheckpointManager("runs/x/checkpoints", keep_last=3)
+        ckpts.save(step, model, optim, extra={"step": step})
+        if (path := ckpts.latest()) is not None:
+            extra = fsdp2d.checkpoint.load(path, model, optim)
+    """
+
+    def __init__(self, folder: str | os.PathLike, keep_last: int | None = None) -> None:
+        self.folder, self.keep_last = Path(folder), keep_last
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints in the folder, ascending."""
+        if not self.folder.is_dir():
+            return []
+        found = [int(m.group(1)) for p in self.folder.iterdir()
+                 if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / INDEX).is_file()]
+        return sorted(found)
+
+    def path(self, step: int) -> Path:
+        return self.folder / f"step_{step:08d}"
+
+    def latest(self) -> Path | None:
+        steps = self.steps()
+        return self.path(steps[-1]) if steps else None
+
+    def save(self, step: int, model: torch.nn.Module, optimizer=None, *, extra: dict | None = None) -> Path:
+        path = self.path(step)
+        save(path, model, optimizer, extra=extra)
+        if self.keep_last and (not dist.is_initialized() or dist.get_rank() == 0):
+            for old in self.steps()[:-self.keep_last]:
+                shutil.rmtree(self.path(old), ignore_errors=True)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return path
+
+
+def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Write the model of checkpoint ``ckpt`` as full tensors to the folder ``out``:
+    ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json`` when larger than ``max_shard_bytes``), keys = module
+    fqns, loadable with ``safetensors.torch.load_file`` into the unparallelized model.
+    ``out`` also gets an fsdp2d index (one box per tensor), so ``load`` reads it too.
+    Offline: one process, no process group."""
+    root, out = Path(ckpt), Path(out)
+    index = read_index(root)
+    files = _Files(root, index)
+    names = sorted(n for n in index["tensors"] if n.startswith("model/"))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in names:
+        meta = index["tensors"][name]
+        shape = tuple(meta["shape"])
+        dtype = getattr(torch, meta["dtype"])
+        full = read_box(files, meta, name, Box((0,) * len(shape), shape), dtype)
+        nbytes = full.numel() * full.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name.removeprefix("model/")] = full
+        size += nbytes
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(shards)
+    fnames = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    tensors, file_meta = {}, {}
+    for fname, shard in zip(fnames, shards):
+        data = st_save(shard)
+        _fsync_write(out / fname, data)
+
+        file_meta[fname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for key, t in shard.items():
+            tensors[f"model/{key}"] = {"dtype": index["tensors"][f"model/{key}"]["dtype"], "shape": list(t.shape),
+                                       "boxes": [{"offset": [0] * t.ndim, "shape": list(t.shape),
+                                                  "file": fname, "key": key}]}
+    if n > 1:
+        weight_map = {k: f for f, shard in zip(fnames, shards) for k in shard}
+        total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+        _fsync_write(out / "model.safetensors.index.json",
+                     json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode())
+    fsdp_index = {"format": FORMAT, "version": VERSION, "world_size": 1, "mesh": {"axes": [], "shape": []},
+                  "extra": index.get("extra", {}), "optim_hparams": None, "files": file_meta, "tensors": tensors}
+    _fsync_write(out / INDEX, json.dumps(fsdp_index, indent=1).encode())
+    return [out / f for f in fnames]
+
+
+def inspect(ckpt: str | os.PathLike) -> str:
+    """A human-readable summary: mesh, world size, extra, and every tensor."""
+    index = read_index(ckpt)
+    mesh = index["mesh"]
+    lines = [f"checkpoint {ckpt}",
+             f"saved on {index['world_size']} ranks, mesh "
+             + (" x ".join(f"{a}={s}" for a, s in zip(mesh["axes"], mesh["shape"])) or "(none)"),
+             f"files: {len(index['files'])}, {sum(f['size'] for f in index['files'].values()) / 2**20:.2f} MiB",
+             f"extra: {json.dumps(index['extra'])}", "", f"{'tensor':<60} {'dtype':<9} {'shape':<18} boxes"]
+    for name, meta in sorted(index["tensors"].items()):
+        lines.append(f"{name:<60} {meta['dtype']:<9} {str(tuple(meta['shape'])):<18} {len(meta['boxes'])}")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""What a rank holds of a model and optimizer: named local tensors with their layouts.
+
+One enumeration serves save and load, so both agree on names: model parameters and
+persistent buffers are ``model/<fqn>``; optimizer state is ``optim/<fqn>/<key>``
+(``exp_avg``, ``exp_avg_sq`` for AdamW; tensors shaped like the parameter share its
+layout, scalars such as ``step`` are replicated). A layout of None means "the full
+tensor, replicated on every rank" (an unparallelized model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..fsdp import fsdp_params
+from ..placement import Box, Layout
+from ..tensor_parallel import tp_params
+
+
+@dataclass
+class Entry:
+    name: str
+    tensor: torch.Tensor          # this rank's local piece (filled in place on load)
+    layout: Layout | None
+    global_shape: tuple[int, ...]
+    groups: dict = field(default_factory=dict)  # layout axis name -> process group
+
+    def get_group(self, axis: str):  # lets an Entry stand in for a mesh in gather_full
+        return self.groups[axis]
+
+    @property
+    def box(self) -> Box:
+        if self.layout is None:
+            return Box((0,) * len(self.global_shape), self.global_shape)
+        return self.layout.box
+
+
+def _layouts(model: nn.Module) -> dict[str, tuple[Layout, dict]]:
+    """fqn -> (layout, {axis name: group}) for every sharded parameter."""
+    layouts = {fqn: (info.layout, {n: info.mesh.get_group(n) for n in info.mesh.mesh_dim_names})
+               for fqn, info in tp_params(model)}
+    layouts.update({fqn: (p.layout, p.axis_groups) for fqn, p in fsdp_params(model)})  # 2D wins
+    return layouts
+
+
+def _named_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters by fqn, as the optimizer sees them (FSDP shards, not unsharded)."""
+    out = dict(model.named_parameters())
+    for fqn, p in fsdp_params(model):
+        out[fqn] = p.sharded
+    return out
+
+
+def model_entries(model: nn.Module) -> list[Entry]:
+    layouts = _layouts(model)
+    entries = []
+    for fqn, p in _named_params(model).items():
+        lay, groups = layouts.get(fqn, (None, {}))
+        shape = lay.global_shape if lay is not None else tuple(p.shape)
+        entries.append(Entry(f"model/{fqn}", p.detach(), lay, shape, groups))
+    for fqn, buf in model.named_buffers():
+        mod_name, _, bname = fqn.rpartition(".")
+        owner = model.get_submodule(mod_name) if mod_name else model
+        if bname not in owner._non_persistent_buffers_set:
+            entries.append(Entry(f"model/{fqn}", buf, None, tuple(buf.shape)))
+    return entries
+
+
+def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer,
+                      pending: dict | None = None) -> list[Entry]:
+    """Optimizer state entries. With ``pending`` (loading), a parameter without state
+    (torch optimizers create it lazily) gets fresh AdamW-style tensors to fill, kept in
+    ``pending[param]`` and installed only when the whole load succeeds."""
+    layouts = _layouts(model)
+    fqn_of = {id(p): fqn for fqn, p in _named_params(model).items()}
+    entries = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            fqn = fqn_of.get(id(p))
+            if fqn is None:
+                raise ValueError("optimizer holds a parameter that is not in the model; build the "
+                                 "optimizer from model.parameters() after parallelize_module/fully_shard")
+            state = optimizer.state.get(p)
+            if not state:
+                if pending is None:
+                    continue
+                state = pending[p] = _fresh_adam_state(p)
+            lay, groups = layouts.get(fqn, (None, {}))
+            for key, value in sorted(state.items()):
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.shape == p.shape and value.ndim > 0:
+                    shape = lay.global_shape if lay is not None else tuple(p.shape)
+                    entries.append(Entry(f"optim/{fqn}/{key}", value, lay, shape, groups))
+                else:
+                    entries.append(Entry(f"optim/{fqn}/{key}", value, None, tuple(value.shape)))
+    return entries
+
+
+def _fresh_adam_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p)}
+
+
+def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """JSON-able hyperparameters of each param group (lr, betas, ...), without params."""
+    out = []
+    for group in optimizer.param_groups:
+        out.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
+                    if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))})
+    return out

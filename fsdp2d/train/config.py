@@ -1,0 +1,641 @@
+"""Typed job configuration for ``fsdp2d train``: dataclasses, TOML presets, CLI overrides.
+
+Design
+------
+A job is one :class:`JobConfig` made of seven sections (``[model]``, ``[parallel]``,
+``[data]``, ``[optim]``, ``[training]``, ``[checkpoint]``, ``[metrics]``). Every field
+has a type and an attribute docstring right under it; ``Literal`` types list the
+choices. A config is resolved in three layers::
+
+    dataclass defaults  ->  TOML preset (a thin overlay)  ->  --section.key=value overrides
+
+Every value, from TOML or from the command line, goes through one coercion function
+(:func:`_coerce`) driven by the field's declared type, so ``--training.steps=10`` is an
+``int`` and ``--optim.betas=0.9,0.95`` a ``tuple``. Unknown names are errors that name
+the closest valid one (``difflib``). Rules that tie fields together (mesh size vs world
+size, heads vs TP degree, batch split, sequence length) live in one function,
+:func:`validate`, which reports every problem at once, each with how to fix it.
+
+Example::
+
+    cfg = load_config("configs/debug_cpu.toml", ["--training.steps=50"])
+    validate(cfg, world_size=4)       # raises ConfigError listing all problems
+    save_config(cfg, cfg.run_dir / "config.toml")
+
+(The file is longer than this package's ~400-line aim because every field carries its
+docstring, which ``help_text()`` also prints; the logic itself is ~350 lines.)
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import math
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, packaged as `tomli`
+    import tomli as tomllib
+
+__all__ = [
+    "ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimConfig",
+    "TrainingConfig", "CheckpointConfig", "MetricsConfig", "JobConfig",
+    "SECTIONS", "load_config", "validate", "config_from_dict", "to_toml", "save_config",
+    "help_text",
+]
+
+
+class ConfigError(ValueError):
+    """A bad config value or combination; the message says how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["llama", "gpt2"] = "llama"
+    """Model family: ``llama`` (RMSNorm, RoPE, GQA, SwiGLU) or ``gpt2`` (LayerNorm,
+    learned positions, GELU MLP)."""
+    dim: int = 128
+    """Width of the residual stream (GPT-2's ``n_embd``)."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads per attention layer; must be divisible by ``parallel.tp``."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None = ``n_heads``. Llama only."""
+    vocab_size: int = 256
+    """Embedding rows; 256 fits the byte-level tokenizer."""
+    max_seq_len: int = 128
+    """Longest sequence the model supports (RoPE table rows / GPT-2 ``block_size``)."""
+    multiple_of: int = 32
+    """Llama: the SwiGLU hidden size is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float | None = None
+    """Llama: scales the SwiGLU hidden size (Llama 3 uses 1.3); None = 1."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm (Llama) / LayerNorm (GPT-2)."""
+    rope_theta: float = 10000.0
+    """Llama: RoPE base frequency (Llama 3 uses 500000)."""
+
+    def to_args(self) -> Any:
+        """The model's own argument dataclass (``LlamaArgs`` or ``GPT2Args``)."""
+        from fsdp2d.models import GPT2Args, LlamaArgs
+
+        if self.name == "gpt2":
+            return GPT2Args(n_layer=self.n_layers, n_head=self.n_heads, n_embd=self.dim,
+                            vocab_size=self.vocab_size, block_size=self.max_seq_len,
+                            layer_norm_eps=self.norm_eps)
+        return LlamaArgs(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
+                         n_kv_heads=self.n_kv_heads, vocab_size=self.vocab_size,
+                         multiple_of=self.multiple_of, norm_eps=self.norm_eps,
+                         ffn_dim_multiplier=self.ffn_dim_multiplier,
+                         rope_theta=self.rope_theta, max_seq_len=self.max_seq_len)
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    """FSDP degree: parameters are sharded over this many ranks (the ``dp`` mesh axis;
+    with ``hsdp_replicate > 1`` it is the ``shard`` axis inside each replica)."""
+    tp: int = 1
+    """Tensor-parallel degree (the ``tp`` mesh axis, innermost: keep it within a node)."""
+    hsdp_replicate: int = 1
+    """HSDP: number of full replicas (the ``replicate`` mesh axis); 1 = plain FSDP."""
+    sequence_parallel: bool = False
+    """Shard norms/residual activations along the sequence over ``tp`` (``Shard(1)``)."""
+    loss_parallel: bool = False
+    """Keep logits vocab-sharded over ``tp`` and compute a vocab-parallel cross-entropy."""
+    nproc: int | None = None
+    """Processes to launch locally when not started by torchrun; None = the mesh size
+    ``hsdp_replicate * dp * tp``. Ignored under torchrun."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per process)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "stdlib"
+    """A file or a folder (searched recursively, sorted) of text or token files. The
+    special value ``stdlib`` is the folder of Python's own standard-library sources
+    (``os.path.dirname(os.__file__)``, ``*.py`` files): text on every machine, no
+    download."""
+    tokenizer: str = "bytes"
+    """``bytes`` (token = byte value, vocab 256) or a path to a Hugging Face
+    ``tokenizer.json`` (needs ``pip install tokenizers``). Used only for ``format=text``."""
+    format: Literal["text", "uint16", "uint32"] = "text"
+    """``text`` files, or flat little-endian ``uint16``/``uint32`` token files (no header)."""
+    seq_len: int = 128
+    """Tokens per training sequence (each sample reads ``seq_len + 1`` tokens)."""
+    eval_fraction: float = 0.01
+    """Fraction of the token stream (its end) held out for evaluation; 0 = none."""
+    seed: int = 0
+    """Seed of the per-epoch shuffle of sequence order."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate of AdamW (reached at the end of warmup)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2); on the command line ``--optim.betas=0.9,0.95``."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 20
+    """Linear warmup from ~0 to ``lr`` over this many steps."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Schedule after warmup, down to ``lr * min_lr_ratio`` at the last step."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr``."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this; <= 0 disables clipping."""
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate for optimizer step ``step`` (0-based) of ``total_steps``."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, total_steps - 1 - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        if self.decay == "cosine":
+            frac = 0.5 * (1.0 + math.cos(math.pi * progress))
+        elif self.decay == "linear":
+            frac = 1.0 - progress
+        else:
+            return self.lr
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * frac)
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 300
+    """Optimizer steps to run (in total, counting steps before a resume)."""
+    global_batch: int = 16
+    """Sequences per optimizer step over all data-parallel ranks:
+    ``global_batch = micro_batch * accum_steps * hsdp_replicate * dp``."""
+    micro_batch: int | None = None
+    """Sequences per forward/backward on one rank; None = the whole per-rank batch
+    (no gradient accumulation)."""
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """``bf16``: bf16 parameters/activations in compute, fp32 master weights and
+    gradient reduction; ``none``: fp32 throughout."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward to save memory."""
+    seed: int = 0
+    """Seed of weight initialisation (identical on every rank)."""
+    eval_every: int = 100
+    """Evaluate on the held-out split every this many steps; 0 = never."""
+    eval_steps: int = 10
+    """Micro-batches per evaluation (per rank)."""
+    log_every: int = 10
+    """Log loss/throughput every this many steps."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save a sharded checkpoint every this many steps; 0 = never."""
+    keep_last: int = 2
+    """Keep only the newest this-many checkpoints; 0 = keep all."""
+    resume: bool = False
+    """Continue from the newest checkpoint in ``folder`` if there is one."""
+    folder: str = "checkpoints"
+    """Checkpoint folder, relative to the run folder (``runs_dir/run_name``) unless absolute."""
+
+
+@dataclass
+class MetricsConfig:
+    run_name: str = ""
+    """Name of the run folder; empty = the config file's stem (``default`` without one)."""
+    runs_dir: str = "runs"
+    """Parent folder of run folders (resolved config, metrics, checkpoints)."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device for MFU; None = device default (H100 989e12 bf16,
+    A100 312e12; CPU: measured)."""
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @property
+    def world_size(self) -> int:
+        """Processes the mesh needs: ``hsdp_replicate * dp * tp``."""
+        p = self.parallel
+        return p.hsdp_replicate * p.dp * p.tp
+
+    @property
+    def dp_degree(self) -> int:
+        """Data-parallel ranks (each reads different data): ``hsdp_replicate * dp``."""
+        return self.parallel.hsdp_replicate * self.parallel.dp
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """``(dp, tp)``, or ``(replicate, shard, tp)`` under HSDP."""
+        p = self.parallel
+        return (p.hsdp_replicate, p.dp, p.tp) if p.hsdp_replicate > 1 else (p.dp, p.tp)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """Axis names matching :attr:`mesh_shape`."""
+        return ("replicate", "shard", "tp") if self.parallel.hsdp_replicate > 1 else ("dp", "tp")
+
+    @property
+    def micro_batch(self) -> int:
+        """Resolved per-rank micro-batch (``training.micro_batch`` or the per-rank batch)."""
+        return self.training.micro_batch or max(1, self.training.global_batch // self.dp_degree)
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches accumulated per optimizer step."""
+        return max(1, self.training.global_batch // (self.micro_batch * self.dp_degree))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.metrics.runs_dir) / (self.metrics.run_name or "default")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / self.checkpoint.folder  # an absolute folder wins in `/`
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain JSON-serialisable dict (tuples become lists)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig,
+    "training": TrainingConfig, "checkpoint": CheckpointConfig, "metrics": MetricsConfig,
+}
+
+
+def _all_names() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(name: str, where: str) -> ConfigError:
+    """An 'unknown key' error naming the closest valid ``section.key``."""
+    names = _all_names()
+    leaf = name.rsplit(".", 1)[-1]
+    same_leaf = [n for n in names if n.rsplit(".", 1)[-1] == leaf]
+    close = same_leaf or difflib.get_close_matches(name, names + list(SECTIONS), n=1, cutoff=0.5)
+    if not close:  # compare the key alone, e.g. 'trainng.stepz' -> 'training.steps'
+        leaves = difflib.get_close_matches(leaf, [n.rsplit(".", 1)[-1] for n in names], n=1)
+        close = [n for n in names if leaves and n.endswith("." + leaves[0])]
+    hint = f"; did you mean '{close[0]}'?" if close else f"; sections are {', '.join(SECTIONS)}"
+    return ConfigError(f"unknown config key '{name}' ({where}){hint}")
+
+
+# ----------------------------------------------------------------------------- coercion
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(c) for c in typing.get_args(tp))
+    if typing.get_origin(tp) is None and isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, name: str, cli: bool = False) -> Any:
+    """``value`` as field type ``tp``, or ConfigError. ``cli``: ``value`` is command-line
+    text to parse (``"10"`` -> 10); otherwise (TOML, code) it must already have the type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    from_cli = cli and isinstance(value, str)
+    if origin in (typing.Union, types.UnionType):  # X | None
+        if value is None or (from_cli and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), name, cli)
+    if origin is Literal:
+        if value in args:
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{name} must be one of {_type_name(tp)}, got {value!r}{hint}")
+    if origin is tuple:
+        if from_cli:
+            value = [v for v in value.strip("()[] ").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{name} must be {len(args)} values like "
+                              f"'{','.join(_type_name(a) for a in args)}', got {value!r}")
+        return tuple(_coerce(v.strip() if from_cli else v, a, name, cli)
+                     for v, a in zip(value, args))
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if from_cli and value.lower() in _TRUE | _FALSE:
+                return value.lower() in _TRUE
+        elif tp is int and not isinstance(value, bool):
+            if isinstance(value, int):
+                return value
+            if from_cli:
+                return int(value)
+        elif tp is float and not isinstance(value, bool):
+            if isinstance(value, (int, float)):
+                return float(value)
+            if from_cli:
+                return float(value)
+        elif tp is str and isinstance(value, str):
+            return value
+    except ValueError:
+        pass
+    raise ConfigError(f"{name} must be {_type_name(tp)}, got {value!r}")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, vars(sys.modules[__name__]))
+
+
+def _set(cfg: JobConfig, name: str, value: Any, where: str, cli: bool = False) -> None:
+    section, _, key = name.partition(".")
+    if section not in SECTIONS or not key:
+        raise _unknown(name, where)
+    hints = _hints(SECTIONS[section])
+    if key not in hints:
+        raise _unknown(name, where)
+    setattr(getattr(cfg, section), key, _coerce(value, hints[key], name, cli))
+
+
+def config_from_dict(data: dict[str, Any], where: str = "dict",
+                     base: JobConfig | None = None) -> JobConfig:
+    """Overlay ``{section: {key: value}}`` (as from TOML/JSON) on ``base`` (or defaults)."""
+    cfg = base if base is not None else JobConfig()
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"'{section}' ({where}) must be a [section] table; "
+                              f"top-level keys go inside one of: {', '.join(SECTIONS)}")
+        for key, value in table.items():
+            _set(cfg, f"{section}.{key}", value, where)
+    return cfg
+
+
+def _parse_overrides(args: Sequence[str]) -> list[tuple[str, str, str]]:
+    """``--a.b=v`` / ``--a.b v`` / bare ``--a.b`` (= true) -> (name, value, original)."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like "
+                              f"--section.key=value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value, i = args[i + 1], i + 1
+            else:
+                value = "true"
+        out.append((name.replace("-", "_"), value, arg))
+        i += 1
+    return out
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                overrides: Sequence[str] = ()) -> JobConfig:
+    """Defaults, then the TOML (or JSON) file at ``path``, then CLI ``overrides``.
+
+    ``overrides`` are ``--section.key=value`` strings (``--section.key value`` and a bare
+    ``--flag`` meaning true also work); values are parsed by the field's type. An empty
+    ``metrics.run_name`` becomes the file's stem. Raises ConfigError on unknown names or
+    ill-typed values, FileNotFoundError if ``path`` is missing. Call :func:`validate`
+    next for the cross-field rules.
+    """
+    cfg = JobConfig()
+    if path is not None:
+        p = Path(path)
+        text = p.read_text()
+        try:
+            data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{p}: cannot parse: {e}") from e
+        config_from_dict(data, where=str(p), base=cfg)
+    for name, value, original in _parse_overrides(overrides):
+        _set(cfg, name, value, where=original, cli=True)
+    if not cfg.metrics.run_name:
+        cfg.metrics.run_name = Path(path).stem if path is not None else "default"
+    return cfg
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _check_types(cfg: JobConfig, errors: list[str]) -> None:
+    """Field types and choices (for configs built in code rather than loaded)."""
+    for section, cls in SECTIONS.items():
+        for key, tp in _hints(cls).items():
+            try:
+                _coerce(getattr(getattr(cfg, section), key), tp, f"{section}.{key}")
+            except ConfigError as e:
+                errors.append(str(e))
+
+
+def _check_ranges(cfg: JobConfig, errors: list[str]) -> None:
+    """Per-field bounds: (value, ok, what it must be)."""
+    m, p, d, o, t, c = cfg.model, cfg.parallel, cfg.data, cfg.optim, cfg.training, cfg.checkpoint
+    rules = [
+        ("model.dim", m.dim, m.dim >= 1, ">= 1"),
+        ("model.n_layers", m.n_layers, m.n_layers >= 1, ">= 1"),
+        ("model.n_heads", m.n_heads, m.n_heads >= 1, ">= 1"),
+        ("model.vocab_size", m.vocab_size, m.vocab_size >= 1, ">= 1"),
+        ("model.max_seq_len", m.max_seq_len, m.max_seq_len >= 1, ">= 1"),
+        ("parallel.dp", p.dp, p.dp >= 1, ">= 1"),
+        ("parallel.tp", p.tp, p.tp >= 1, ">= 1"),
+        ("parallel.hsdp_replicate", p.hsdp_replicate, p.hsdp_replicate >= 1, ">= 1"),
+        ("data.seq_len", d.seq_len, d.seq_len >= 1, ">= 1"),
+        ("data.eval_fraction", d.eval_fraction, 0.0 <= d.eval_fraction < 1.0, "in [0, 1)"),
+        ("optim.lr", o.lr, o.lr > 0, "> 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("optim.betas", o.betas, all(0.0 <= b < 1.0 for b in o.betas), "each in [0, 1)"),
+        ("optim.eps", o.eps, o.eps > 0, "> 0"),
+        ("optim.min_lr_ratio", o.min_lr_ratio, 0.0 <= o.min_lr_ratio <= 1.0, "in [0, 1]"),
+        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+        ("training.steps", t.steps, t.steps >= 1, ">= 1"),
+        ("training.global_batch", t.global_batch, t.global_batch >= 1, ">= 1"),
+        ("training.micro_batch", t.micro_batch, t.micro_batch is None or t.micro_batch >= 1,
+         ">= 1 (or none)"),
+        ("training.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0 = never)"),
+        ("training.eval_steps", t.eval_steps, t.eval_steps >= 1, ">= 1"),
+        ("training.log_every", t.log_every, t.log_every >= 1, ">= 1"),
+        ("checkpoint.every", c.every, c.every >= 0, ">= 0 (0 = never)"),
+        ("checkpoint.keep_last", c.keep_last, c.keep_last >= 0, ">= 0 (0 = keep all)"),
+    ]
+    if m.n_kv_heads is not None:
+        rules.append(("model.n_kv_heads", m.n_kv_heads, m.n_kv_heads >= 1, ">= 1 (or none)"))
+    if p.nproc is not None:
+        rules.append(("parallel.nproc", p.nproc, p.nproc >= 1, ">= 1 (or none)"))
+    if cfg.metrics.peak_flops is not None:
+        rules.append(("metrics.peak_flops", cfg.metrics.peak_flops, cfg.metrics.peak_flops > 0,
+                      "> 0 (or none)"))
+    errors.extend(f"{name}={value} must be {need}" for name, value, ok, need in rules if not ok)
+
+
+def _check_mesh(cfg: JobConfig, world_size: int | None, errors: list[str]) -> None:
+    p = cfg.parallel
+    mesh = f"hsdp_replicate * dp * tp = {p.hsdp_replicate} * {p.dp} * {p.tp} = {cfg.world_size}"
+    if p.nproc is not None and p.nproc != cfg.world_size:
+        errors.append(f"parallel.nproc={p.nproc} but the mesh needs {mesh} processes: "
+                      f"set parallel.nproc={cfg.world_size} (or none) or change the mesh")
+    if world_size is None or world_size == cfg.world_size:
+        return
+    other = p.hsdp_replicate * p.tp
+    fix = (f"set parallel.dp={world_size // other}" if world_size % other == 0 else
+           f"choose parallel.tp (and dp) whose product with hsdp_replicate is {world_size}")
+    errors.append(f"parallel mesh {mesh} does not match the world size {world_size}: "
+                  f"{fix}, or launch {cfg.world_size} processes")
+
+
+def _check_model(cfg: JobConfig, errors: list[str]) -> None:
+    m, tp = cfg.model, cfg.parallel.tp
+    kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
+    if min(m.dim, m.n_heads, kv, tp) < 1:
+        return  # reported by _check_ranges
+    if m.dim % m.n_heads:
+        errors.append(f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads} "
+                      f"(head_dim = dim / n_heads)")
+    elif m.name == "llama" and (m.dim // m.n_heads) % 2:
+        errors.append(f"model head_dim = dim / n_heads = {m.dim // m.n_heads} must be even "
+                      f"for RoPE: change model.dim or model.n_heads")
+    if m.name == "gpt2" and kv != m.n_heads:
+        errors.append(f"model.n_kv_heads={kv}: gpt2 has no grouped-query attention; "
+                      f"remove it or set it to n_heads={m.n_heads}")
+    elif m.n_heads % kv:
+        errors.append(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={kv}")
+    for name, heads in (("n_heads", m.n_heads), ("n_kv_heads", kv)):
+        if heads % tp:
+            errors.append(f"parallel.tp={tp} must divide model.{name}={heads} (each TP rank "
+                          f"holds whole heads): use tp in {{{_divisors(math.gcd(m.n_heads, kv))}}}")
+    if cfg.data.format == "text" and cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
+        errors.append(f"model.vocab_size={m.vocab_size} is too small for the byte tokenizer: "
+                      f"set it to 256 or more")
+    if cfg.data.seq_len > m.max_seq_len:
+        errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
+                      f"lower data.seq_len or raise model.max_seq_len")
+    if cfg.parallel.sequence_parallel and cfg.data.seq_len % tp:
+        errors.append(f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp={tp} "
+                      f"under sequence_parallel (each TP rank holds seq_len / tp positions)")
+
+
+def _check_batch(cfg: JobConfig, errors: list[str]) -> None:
+    t, ranks = cfg.training, cfg.dp_degree
+    if t.global_batch < 1 or ranks < 1:
+        return
+    if t.global_batch % ranks:
+        lo = max(ranks, t.global_batch // ranks * ranks)
+        errors.append(f"training.global_batch={t.global_batch} does not split over {ranks} "
+                      f"data-parallel ranks (hsdp_replicate * dp): use a multiple of {ranks}, "
+                      f"e.g. {lo} or {lo + ranks}")
+        return
+    per_rank = t.global_batch // ranks
+    if t.micro_batch is not None and t.micro_batch >= 1 and per_rank % t.micro_batch:
+        errors.append(f"training.micro_batch={t.micro_batch} must divide the per-rank batch "
+                      f"{per_rank} (= global_batch / {ranks} data-parallel ranks): use one of "
+                      f"{{{_divisors(per_rank)}}}")
+    if t.eval_every > 0 and cfg.data.eval_fraction == 0:
+        errors.append("training.eval_every > 0 needs held-out data: set data.eval_fraction > 0 "
+                      "(e.g. 0.01) or training.eval_every=0")
+
+
+def validate(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Check every cross-field rule; raise one ConfigError listing all problems.
+
+    ``world_size`` is the number of processes actually running (torchrun's WORLD_SIZE);
+    None checks only that ``parallel.nproc`` (if set) matches the mesh. Rules: types and
+    choices; per-field bounds; ``hsdp_replicate * dp * tp == world_size``; ``tp`` divides
+    ``n_heads`` and ``n_kv_heads``; ``dim`` divisible by ``n_heads``; ``seq_len <=
+    max_seq_len`` (and divisible by ``tp`` under sequence parallel); ``global_batch``
+    divisible by the data-parallel ranks and the per-rank batch by ``micro_batch``;
+    evaluation needs ``eval_fraction > 0``.
+    """
+    errors: list[str] = []
+    _check_types(cfg, errors)
+    if not errors:  # bounds compare values, so only once every type is right
+        _check_ranges(cfg, errors)
+        _check_mesh(cfg, world_size, errors)
+        _check_model(cfg, errors)
+        _check_batch(cfg, errors)
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+# ----------------------------------------------------------------------------- output
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML, loadable by :func:`load_config`.
+
+    Fields set to None are left out: every optional field defaults to None, so loading
+    the text back gives an equal config."""
+    lines: list[str] = []
+    for section, table in dataclasses.asdict(cfg).items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def save_config(cfg: JobConfig, path: str | os.PathLike[str]) -> Path:
+    """Write the resolved config to ``path`` as JSON (``.json``) or TOML (anything else)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(cfg.to_dict(), indent=2) + "\n" if p.suffix == ".json" else to_toml(cfg)
+    p.write_text(text)
+    return p
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string right under each field), read from the source."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    node = tree.body[0]
+    if not isinstance(node, ast.ClassDef):
+        return {}
+    body, docs = node.body, {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[stmt.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def help_text() -> str:
+    """Every ``--section.key`` with its type, default and docstring (for ``--help``)."""
+    out = []
+    for section, cls in SECTIONS.items():
+        docs, defaults = _field_docs(cls), dataclasses.asdict(cls())
+        out.append(f"[{section}]")
+        for key, tp in _hints(cls).items():
+            out.append(f"  --{section}.{key} ({_type_name(tp)}, default {defaults[key]!r})")
+            if key in docs:
+                out.append(f"      {docs[key]}")
+    return "\n".join(out)
