@@ -166,6 +166,10 @@ class DTensorExtensions:
         fsdp_axes = [n for n, p in zip(lay.axis_names, lay.placements) if n in parent_mesh.mesh_dim_names[:-1]]
         x, _ = gather_axes(tensor.tensor, lay, parent_mesh, fsdp_axes)
         tp = parent_mesh.mesh_dim_names[-1]
+        if tp not in lay.axis_names:  # chunk_dtensor of a tensor TP does not shard: replicated over TP
+            tp_layout = Layout(lay.global_shape, (parent_mesh.size(tp),), (tp,), (Replicate(),),
+                               (parent_mesh.get_local_rank(tp),))
+            return LocalShard(x, tp_layout)
         i = lay.axis(tp)
         tp_layout = Layout(lay.global_shape, (lay.mesh_shape[i],), (tp,), (lay.placements[i],), (lay.coordinate[i],))
         return LocalShard(x, tp_layout)
@@ -183,23 +187,36 @@ def _to_torch_placement(p: Any) -> Any:
 
 
 def _from_torch_placement(p: Any) -> Any:
-    if p.is_shard():
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    # torch's _StridedShard is not a Shard and its is_shard() is False: test it first.
+    if p.is_shard() or isinstance(p, _StridedShard):
         return Shard(p.dim)
     return Partial() if p.is_partial() else Replicate()
 
 
-def to_dtensor(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh):
-    """A torch DTensor with the same data layout as (``tensor``, ``layout``) on ``mesh``.
+def _strided_shard_is_exact(size: int, inner: int, outer: int) -> bool:
+    """Whether ``[_StridedShard(d, split_factor=inner) on the outer axis, Shard(d) on the
+    inner axis]`` holds the TP-major boxes of a dim of ``size`` (inner axis splits first).
 
-    Axes that shard distinct dims map to torch ``Shard``; a TP-major 2D split of one dim
-    (FSDP over TP) maps to torch's ``_StridedShard`` on the FSDP axis. Layouts torch
-    cannot express raise NotImplementedError.
-    """
-    from torch.distributed.tensor import DTensor
+    torch's ``_StridedShard`` gives outer rank ``a`` the concatenation over ``b`` of
+    ``chunk(chunk(size, inner)[b], outer)[a]``, and the inner ``Shard`` then ``torch.chunk``s
+    that concatenation: exact iff those chunks are exactly the concatenated pieces (always
+    when even; not e.g. for 7 rows, inner=2, outer=3)."""
+    for a in range(outer):
+        lens = [chunk_range(chunk_range(size, inner, b)[1], outer, a)[1] for b in range(inner)]
+        total = sum(lens)
+        for b in range(inner):
+            start, n = chunk_range(total, inner, b)
+            if n != lens[b] or (n and start != sum(lens[:b])):
+                return False
+    return True
+
+
+def _torch_placements(layout: Layout) -> list:
+    """The torch placements with the same data layout as ``layout`` (see :func:`to_dtensor`)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    if tuple(layout.axis_names) != tuple(mesh.mesh_dim_names):
-        raise ValueError(f"layout axes {layout.axis_names} != mesh axes {mesh.mesh_dim_names}")
     placements = [_to_torch_placement(p) for p in layout.placements]
     by_dim: dict[int, list[int]] = {}
     for axis, p in enumerate(layout.placements):
@@ -212,7 +229,36 @@ def to_dtensor(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh):
         if len(axes) != 2:
             raise NotImplementedError(f"to_dtensor: {len(axes)} axes split dim {dim} out of mesh order")
         inner, outer = order  # inner splits first but sits later in the mesh
-        placements[outer] = _StridedShard(dim, split_factor=layout.mesh_shape[inner])
+        sf = layout.mesh_shape[inner]
+        if not _strided_shard_is_exact(layout.global_shape[dim], sf, layout.mesh_shape[outer]):
+            names = layout.axis_names
+            raise NotImplementedError(
+                f"to_dtensor: torch's _StridedShard cannot express this uneven TP-major split of dim {dim} "
+                f"(size {layout.global_shape[dim]}, {names[inner]!r}={sf} then {names[outer]!r}="
+                f"{layout.mesh_shape[outer]}): it would put some rows on other ranks")
+        placements[outer] = _StridedShard(dim, split_factor=sf)
+    return placements
+
+
+def to_dtensor(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh):
+    """A torch DTensor with the same data layout as (``tensor``, ``layout``) on ``mesh``.
+
+    Axes that shard distinct dims map to torch ``Shard``; a TP-major 2D split of one dim
+    (FSDP over TP) maps to torch's ``_StridedShard`` on the FSDP axis. Layouts torch
+    cannot express raise NotImplementedError: more than two axes splitting one dim out
+    of mesh order, and uneven TP-major splits whose rows ``_StridedShard`` would put on
+    other ranks (see ``_strided_shard_is_exact``: only when the FSDP shard axis has 3+ ranks).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if tuple(layout.axis_names) != tuple(mesh.mesh_dim_names):
+        raise ValueError(f"layout axes {layout.axis_names} != mesh axes {mesh.mesh_dim_names}")
+    if tuple(layout.mesh_shape) != tuple(mesh.shape):
+        raise ValueError(f"layout mesh shape {layout.mesh_shape} != mesh shape {tuple(mesh.shape)}")
+    if tuple(layout.coordinate) != tuple(mesh.get_coordinate()):
+        raise ValueError(f"layout coordinate {layout.coordinate} != this rank's mesh coordinate "
+                         f"{tuple(mesh.get_coordinate())}")
+    placements = _torch_placements(layout)
     shape = layout.global_shape
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(tensor, mesh.to_torch(), placements, run_check=False, shape=torch.Size(shape),
@@ -234,6 +280,8 @@ def from_dtensor(dt: Any) -> tuple[torch.Tensor, Layout]:
     for axis in strided:  # the strided axis splits after the axis that shards the same dim
         dim = dt.placements[axis].dim
         later = [a for a in order if a != axis and isinstance(placements[a], Shard) and placements[a].dim == dim]
+        if not later:  # no other axis shards this dim: a plain split, order irrelevant
+            continue
         order.remove(axis)
         order.insert(order.index(later[-1]) + 1, axis)
     layout = Layout(tuple(dt.shape), tuple(mesh.shape), tuple(names), tuple(placements),

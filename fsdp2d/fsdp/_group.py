@@ -56,6 +56,12 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
+def _replaced(p: FSDPParam) -> bool:
+    """The module holds neither our sharded nor our unsharded parameter (identity)."""
+    current = p.module._parameters[p.name]
+    return current is not p.sharded and current is not p.unsharded
+
+
 class FSDPParamGroup:
     def __init__(self, params: list[FSDPParam], shard_group: C.Group, replicate_group: C.Group | None,
                  mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str) -> None:
@@ -72,12 +78,12 @@ class FSDPParamGroup:
             names = ", ".join(f"{p.fqn}: {p.sharded.dtype}" for p in params[:6])
             raise ValueError(
                 f"fully_shard({fqn or '<root>'}): parameters have mixed dtypes ({names}); one group "
-                f"all-gathers one flat buffer, so set MixedPrecisionPolicy(param_dtype=...) or cast the module"
+                f"all-gathers one buffer, so set MixedPrecisionPolicy(param_dtype=...) or cast the module"
             )
         self.dtype = params[0].sharded.dtype if params else torch.float32
         self.param_dtype = mp.param_dtype or self.dtype
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
-        self.flat = torch.empty(0)
+        self.flats: dict[torch.dtype, torch.Tensor] = {}  # sharded storage, one per parameter dtype
         self.requires_sync = True
         self.reshard_after_forward = True
         self.reshard_after_backward = True
@@ -92,15 +98,21 @@ class FSDPParamGroup:
 
     # -- the flat sharded buffer --------------------------------------------------------
     def _build_flat(self, device: torch.device) -> None:
-        """Copy every parameter's shard rows into a fresh flat buffer and make the
-        registered parameter a view of it (same Parameter object when it exists)."""
+        """Copy every parameter's shard rows into fresh flat buffers (one per dtype; one
+        in all but mixed-dtype groups) and make each registered parameter a view of its
+        slot (the same Parameter object when it exists, so optimizers keep working)."""
         store = torch.device("cpu") if self._offloading(device) else device
-        self.flat = torch.zeros(self.total, dtype=self.dtype, device=store)
+        sizes: dict[torch.dtype, int] = {}
+        for p in self.params:
+            dtype = p.module._parameters[p.name].dtype
+            p.store_offset, sizes[dtype] = sizes.get(dtype, 0), sizes.get(dtype, 0) + p.segment_numel
+        self.flats = {dtype: torch.zeros(n, dtype=dtype, device=store) for dtype, n in sizes.items()}
         if self._offloading(device) and getattr(self.offload, "pin_memory", False):
-            self.flat = self.flat.pin_memory()
+            self.flats = {d: f.pin_memory() for d, f in self.flats.items()}
         for p in self.params:
             current = p.module._parameters[p.name]
-            view = self.flat[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
+            flat = self.flats[current.dtype]
+            view = flat[p.store_offset:p.store_offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
             with torch.no_grad():
                 src = current if tuple(current.shape) == p.shard_shape else p.shard_of(current)
                 if src.device.type != "meta" and store.type != "meta":
@@ -117,16 +129,33 @@ class FSDPParamGroup:
                 p.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.compute_device = device
 
+    def _send_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's all-gather input in ``dtype``: the flat buffer itself when it has
+        that dtype, a cast copy otherwise (mixed dtypes: packed in group order)."""
+        if len(self.flats) == 1:
+            flat = next(iter(self.flats.values()))
+            return flat.to(self.compute_device, dtype, non_blocking=True)
+        send = torch.zeros(self.total, dtype=dtype, device=self.compute_device)
+        for p in self.params:
+            src = self.flats[p.sharded.dtype][p.store_offset:p.store_offset + p.segment_numel]
+            send[p.offset:p.offset + p.segment_numel].copy_(src)
+        return send
+
     def _offloading(self, device: torch.device) -> bool:
         return isinstance(self.offload, CPUOffloadPolicy) and device.type != "cpu"
 
     def sync_params(self) -> None:
         """Adopt parameters replaced behind our back (``to_empty()``, ``load_state_dict``
         with assign): rebuild the flat buffer from whatever the modules now hold."""
-        if any(p.module._parameters[p.name] is not p.sharded for p in self.params) or \
-                (self.flat.device.type == "meta" and self.params and
-                 self.params[0].module._parameters[self.params[0].name].device.type != "meta"):
-            device = self.params[0].module._parameters[self.params[0].name].device
+        if not self.params:
+            return
+        registered = self.params[0].module._parameters[self.params[0].name]
+        on_meta = any(f.device.type == "meta" for f in self.flats.values())
+        if any(_replaced(p) for p in self.params) or (on_meta and registered.device.type != "meta"):
+            self.wait_unshard()
+            self.unsharded = False  # the rebuild makes new (freed) unsharded parameters
+            device = next(p.module._parameters[p.name].device for p in self.params if _replaced(p)) \
+                if any(_replaced(p) for p in self.params) else registered.device
             self._build_flat(device)
 
     # -- all-gather ------------------------------------------------------------------
@@ -135,7 +164,7 @@ class FSDPParamGroup:
             if not async_op:
                 self.wait_unshard()
             return
-        send = self.flat.to(self.compute_device, self.param_dtype, non_blocking=True)
+        send = self._send_buffer(self.param_dtype)
         self.counts["all_gather"] += 1
         if self.k == 1:
             self._gather = (None, send)
@@ -205,12 +234,34 @@ class FSDPParamGroup:
         if work is not None:
             work.wait()
         out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
-        out = out.div_(self.dp_size).to(self.flat.device, self.dtype, non_blocking=True)
+        out = out.div_(self.dp_size)
         for p in self.params:
             if not p.requires_grad:
                 continue
             g = out[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
+            g = g.to(p.sharded.device, p.sharded.dtype, non_blocking=True)
             if p.sharded.grad is None:
                 p.sharded.grad = g
             else:
                 p.sharded.grad += g
+
+    # -- exact gathers (summon_full_params) ----------------------------------------------
+    def gather_exact(self) -> list[torch.Tensor]:
+        """Every parameter unsharded over the data axis in its own dtype (no cast): a
+        synchronous all-gather into fresh tensors, leaving the group's state alone."""
+        send = self._send_buffer(self.dtype) if len(self.flats) == 1 else None
+        out = []
+        if send is not None:
+            gathered = C.all_gather(send, 0, self.shard_group).view(self.k, self.total)
+            for p in self.params:
+                full = torch.empty(p.unsharded_shape, dtype=self.dtype, device=self.compute_device)
+                p.copy_in(gathered, full)
+                out.append(full)
+            return out
+        for p in self.params:  # mixed dtypes: one gather per parameter (rare; inspection only)
+            seg = self.flats[p.sharded.dtype][p.store_offset:p.store_offset + p.segment_numel]
+            gathered = C.all_gather(seg.to(self.compute_device), 0, self.shard_group).view(self.k, -1)
+            full = torch.empty(p.unsharded_shape, dtype=p.sharded.dtype, device=self.compute_device)
+            p.copy_in(gathered, full, offset=0)
+            out.append(full)
+        return out

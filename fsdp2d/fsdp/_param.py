@@ -49,7 +49,8 @@ class FSDPParam:
         global_shape = tp.layout.global_shape if tp is not None else self.unsharded_shape
         self.layout: Layout = fsdp_layout(global_shape, tp.layout if tp is not None else None,
                                           mesh_shape, axis_names, coordinate)
-        self.offset = 0  # set by the group
+        self.offset = 0  # in the all-gather buffer; set by the group
+        self.store_offset = 0  # in this parameter's dtype's flat storage
         self.axis_groups: dict = {}  # mesh axis name -> process group, for every layout axis
         self.unsharded: nn.Parameter | None = None
 
@@ -78,10 +79,13 @@ class FSDPParam:
         if self.unsharded is not None and self.unsharded.device.type != "meta":
             self.unsharded.untyped_storage().resize_(0)
 
-    def copy_in(self, gathered: torch.Tensor) -> None:
-        """Fill ``unsharded`` from the all-gathered flat buffer viewed (k, total)."""
-        seg = gathered[:, self.offset:self.offset + self.segment_numel]
-        dst = self.unsharded.data  # .data: a fresh version counter, autograd is not told
+    def copy_in(self, gathered: torch.Tensor, dst: torch.Tensor | None = None, offset: int | None = None) -> None:
+        """Fill ``dst`` (default: ``unsharded``) from the all-gathered flat buffer viewed
+        (k, total), this parameter's segment starting at ``offset`` (default: its own)."""
+        offset = self.offset if offset is None else offset
+        seg = gathered[:, offset:offset + self.segment_numel]
+        # .data: a fresh version counter, so refilling what autograd saved is not an in-place error
+        dst = self.unsharded.data if dst is None else dst
         if self.even:
             dst.view(self.num_shards, -1).copy_(seg)
             return

@@ -107,7 +107,11 @@ class FSDPState:
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
-        if self.group is not None and self.group.reshard_after_forward and not self.in_backward:
+        # Without autograd no backward will reshard: do it now (the root included), or an
+        # optimizer step before the next forward would leave stale unsharded weights.
+        reshard = self.group is not None and not self.in_backward and \
+            (self.group.reshard_after_forward or not torch.is_grad_enabled())
+        if reshard:
             self.group.reshard()
         if self.is_root and self.ctx.recording:
             self.ctx.recording = False

@@ -218,22 +218,25 @@ def fsdp_params(model: nn.Module) -> Iterator[tuple[str, FSDPParam]]:
 
 @contextlib.contextmanager
 def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[None]:
-    """Register unsharded (over the data axis) parameters on every FSDP module under
-    ``module`` for inspection or edits; on exit, edits are written back to the shards
-    (``writeback=True``) and the parameters resharded. TP-sharded parameters stay
-    TP-local (use ``fsdp2d.DTensorExtensions.all_gather`` for the global tensor)."""
+    """Register unsharded (over the data axis) parameters, in their own dtype, on every
+    FSDP module under ``module`` for inspection or edits; on exit, what the modules then
+    hold is written back to the shards (``writeback=True``) and the shards registered
+    again. TP-sharded parameters stay TP-local (``fsdp2d.gather_full`` gives the global
+    tensor). Do not run forward or backward inside. Collective over the data axis.
+    """
     groups = [m._fsdp2d_fsdp.group for m in module.modules()
               if isinstance(m, FSDPModule) and m._fsdp2d_fsdp.group is not None]
     for g in groups:
         g.sync_params()
-        g.unshard()
-        g.register_unsharded()
+        g.reshard()
+        for p, full in zip(g.params, g.gather_exact()):
+            p.module._parameters[p.name] = nn.Parameter(full, requires_grad=p.requires_grad)
     try:
         yield
     finally:
         with torch.no_grad():
             for g in groups:
-                if writeback:
-                    for p in g.params:
-                        p.sharded.copy_(p.shard_of(p.unsharded))
-                g.reshard()
+                for p in g.params:
+                    if writeback:
+                        p.sharded.copy_(p.shard_of(p.module._parameters[p.name]))
+                    p.register("sharded")

@@ -154,6 +154,11 @@ def reduce_scatter_to_tp(x: torch.Tensor, dim: int, *, group: Group) -> torch.Te
     return _ReduceScatterToTP.apply(x, dim, group)
 
 
+def _version(x: torch.Tensor) -> int:
+    """The version counter, or -1 for inference tensors (they have none)."""
+    return -1 if x.is_inference() else x._version
+
+
 def tp_input(x: torch.Tensor, *, group: Group) -> torch.Tensor:
     """The tensor a column-wise layer should consume for replicated input ``x``.
 
@@ -165,7 +170,7 @@ def tp_input(x: torch.Tensor, *, group: Group) -> torch.Tensor:
     """
     if C.group_size(group) == 1 or not torch.is_floating_point(x):
         return x
-    key = (id(group), torch.is_grad_enabled(), x._version)
+    key = (id(group), torch.is_grad_enabled(), _version(x))
     cached = getattr(x, "_fsdp2d_tp_input", None)
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -184,7 +189,7 @@ def gather_cached(x: torch.Tensor, dim: int, *, group: Group) -> torch.Tensor:
     reading the same sequence shard)."""
     if C.group_size(group) == 1:
         return x
-    key = (id(group), dim, torch.is_grad_enabled(), x._version)
+    key = (id(group), dim, torch.is_grad_enabled(), _version(x))
     cached = getattr(x, "_fsdp2d_gather", None)
     if cached is not None and cached[0] == key:
         return cached[1]

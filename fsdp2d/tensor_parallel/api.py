@@ -39,6 +39,9 @@ def _resolve(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple
     chosen: dict[str, tuple[str, nn.Module, ParallelStyle]] = {}
     owner: dict[str, str] = {}
     for pattern, style in plan.items():
+        if isinstance(style, type) and issubclass(style, ParallelStyle):
+            raise TypeError(f"plan entry {pattern!r}: got the class {style.__name__}; pass an instance, "
+                            f"{style.__name__}()")
         if not isinstance(style, ParallelStyle):
             raise TypeError(f"plan entry {pattern!r}: expected a ParallelStyle, got {type(style).__name__}")
         matches = _match(module, pattern)
@@ -83,8 +86,11 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     cannot apply to the module it matched (naming the module); RuntimeError when the
     module was already passed to ``fully_shard`` (wrong order).
     """
-    if device_mesh is None or not isinstance(device_mesh, DeviceMesh):
+    if device_mesh is None:
         raise ValueError("parallelize_module needs device_mesh: an fsdp2d 1-D mesh such as mesh['tp']")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"parallelize_module got a {type(device_mesh).__module__}.{type(device_mesh).__name__} "
+                        f"as device_mesh; build an fsdp2d mesh with fsdp2d.init_device_mesh and pass mesh['tp']")
     if device_mesh.ndim != 1:
         raise ValueError(
             f"parallelize_module needs a 1-D mesh, got axes {device_mesh.mesh_dim_names}; "
@@ -93,7 +99,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     if parallelize_plan is None:
         return module
     for name, mod in module.named_modules():
-        if getattr(mod, "_fsdp2d_fsdp", None) is not None:
+        if getattr(mod, "_fsdp2d_fsdp", None) is not None or getattr(mod, "_fsdp2d_fsdp_owner", None) is not None:
             raise RuntimeError(
                 f"parallelize_module after fully_shard: module {name or '<root>'!r} is already "
                 f"fully sharded. Apply tensor parallelism first, then fully_shard"

@@ -197,6 +197,10 @@ class TrainingConfig:
     """Micro-batches per evaluation (per rank)."""
     log_every: int = 10
     """Log loss/throughput every this many steps."""
+    stop_at: int | None = None
+    """End this invocation after this step (checkpointing it), keeping the learning-rate
+    schedule of ``steps``: for time-limited allocations that ``--checkpoint.resume``
+    later. None = run to ``steps``."""
 
 
 @dataclass

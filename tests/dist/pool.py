@@ -57,6 +57,17 @@ def get_mesh(shape, names):
     return _MESHES[key]
 
 
+def capture_error(fn):
+    """Run ``fn`` inside a job; ``(exception type name, message)`` if it raised, else None.
+
+    Expected errors must be caught in the worker: a raising job restarts the pool."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - callers inspect the type and message
+        return type(e).__name__, str(e)
+    return None
+
+
 def _worker_main(rank: int, world_size: int, store_path: str, stack_path: str, conn) -> None:
     """Worker loop: join the gloo group, then run jobs until told to stop."""
     stack_file = open(stack_path, "w")

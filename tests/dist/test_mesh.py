@@ -12,7 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from .pool import get_mesh
+from .pool import capture_error as _error, get_mesh
 
 WORLD = 4
 
@@ -31,14 +31,6 @@ def _line_sum(group):
     t = torch.tensor([2 ** dist.get_rank()], dtype=torch.int64)
     dist.all_reduce(t, group=group)
     return int(t.item())
-
-
-def _error(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects the type and message
-        return type(e).__name__, str(e)
-    return None
 
 
 def _describe(mesh):

@@ -1,0 +1,95 @@
+"""Plan and style errors that need no process group (single process, no mesh).
+
+Style constructors reject impossible layouts at once; plan resolution (pattern matching,
+overlaps, non-style values) and ``validate`` run before any communication, so their
+errors are checked here on plain modules. The same errors through
+``parallelize_module`` on a real mesh (and the model left untouched) are covered by
+``tests/dist/test_api_errors.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from fsdp2d import (
+    ColwiseParallel,
+    Partial,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    Replicate,
+    RowwiseParallel,
+    SequenceParallel,
+    Shard,
+    parallelize_module,
+)
+from fsdp2d.models import Llama, LlamaArgs
+from fsdp2d.models.llama import RMSNorm
+from fsdp2d.tensor_parallel.api import _match, _resolve
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return Llama(LlamaArgs.debug())
+
+
+def test_style_constructors_reject_bad_layouts():
+    with pytest.raises(ValueError, match=r"ColwiseParallel output_layouts .*Shard\(0\)"):
+        ColwiseParallel(output_layouts=Shard(0))
+    with pytest.raises(ValueError, match=r"RowwiseParallel output_layouts .*Partial"):
+        RowwiseParallel(output_layouts=Partial())
+    with pytest.raises(ValueError, match="expected one layout"):
+        ColwiseParallel(input_layouts=(Shard(1), Replicate()))
+    with pytest.raises(ValueError, match="same length"):
+        PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(),))
+    with pytest.raises(ValueError, match="same keys"):
+        PrepareModuleInput(input_kwarg_layouts={"x": Shard(1)}, desired_input_kwarg_layouts={"y": Replicate()})
+    with pytest.raises(ValueError, match="same length"):
+        PrepareModuleOutput(output_layouts=(Replicate(), Replicate()), desired_output_layouts=Shard(0))
+    # the valid forms construct
+    ColwiseParallel(input_layouts=[Shard(1)], output_layouts=Replicate())
+    RowwiseParallel(output_layouts=Shard(1))
+
+
+def test_validate_names_module_and_type():
+    with pytest.raises(TypeError, match=r"ColwiseParallel .*'layers.0.attention_norm'.*RMSNorm"):
+        ColwiseParallel().validate(RMSNorm(8), "layers.0.attention_norm")
+    with pytest.raises(TypeError, match=r"RowwiseParallel .*'<root>'.*Sequential"):
+        RowwiseParallel().validate(nn.Sequential(), "")
+    with pytest.raises(TypeError, match=r"'emb'.*max_norm"):
+        RowwiseParallel().validate(nn.Embedding(8, 4, max_norm=1.0), "emb")
+    with pytest.raises(TypeError, match=r"SequenceParallel on 'act'.*no parameters"):
+        SequenceParallel().validate(nn.GELU(), "act")
+    ColwiseParallel().validate(nn.Embedding(8, 4), "emb")  # both styles support embeddings
+    RowwiseParallel().validate(nn.Linear(4, 4), "fc")
+
+
+def test_star_matches_one_level(llama):
+    assert [n for n, _ in _match(llama, "layers.*.attention.w[qk]")] == [
+        "layers.0.attention.wq", "layers.0.attention.wk", "layers.1.attention.wq", "layers.1.attention.wk"]
+    assert [n for n, _ in _match(llama, "layers.*.*.w[o2]")] == [
+        "layers.0.attention.wo", "layers.0.feed_forward.w2", "layers.1.attention.wo", "layers.1.feed_forward.w2"]
+    assert _match(llama, "layers.*.wq") == []  # "*" never crosses a dot
+    assert _match(llama, "layers.*") and all(n.count(".") == 1 for n, _ in _match(llama, "layers.*"))
+
+
+def test_resolve_errors(llama):
+    col = ColwiseParallel()
+    with pytest.raises(ValueError, match=r"'layers\.\*\.wq' matches no module; closest module names: layers"):
+        _resolve(llama, {"layers.*.wq": col})
+    with pytest.raises(ValueError) as e:
+        _resolve(llama, {"layers.*.attention.wq": col, "layers.1.attention.w[qv]": col})
+    msg = str(e.value)
+    assert "'layers.1.attention.wq'" in msg and "'layers.*.attention.wq'" in msg and "'layers.1.attention.w[qv]'" in msg
+    with pytest.raises(TypeError, match=r"'output': expected a ParallelStyle, got dict"):
+        _resolve(llama, {"output": {"style": col}})
+    resolved = _resolve(llama, {"layers.*.attention.wq": col, "output": RowwiseParallel()})
+    assert [fqn for fqn, _, _ in resolved] == ["layers.0.attention.wq", "layers.1.attention.wq", "output"]
+
+
+def test_parallelize_module_without_mesh(llama):
+    before = {n: p.detach().clone() for n, p in llama.named_parameters()}
+    with pytest.raises(ValueError, match=r"needs device_mesh.*mesh\['tp'\]"):
+        parallelize_module(llama, None, {"output": ColwiseParallel()})
+    assert all(before[n].equal(p) for n, p in llama.named_parameters())
+    assert not any("_fsdp2d_tp" in m.__dict__ for m in llama.modules())
