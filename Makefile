@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: install test test-unit clean
+.PHONY: install test test-unit train clean
 
 install: $(VENV)/.installed
 
@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,train]'
 	touch $@
 
 test: install
@@ -22,5 +22,29 @@ test: install
 test-unit: install
 	$(PY) -m pytest -q tests/unit
 
+# The default pretraining job: 4 CPU ranks as 2 (dp) x 2 (tp), a small Llama on Python's
+# standard-library sources; writes runs/debug_cpu/{metrics.jsonl,checkpoints/,loss.png}.
+TRAIN_CONFIG ?= configs/debug_cpu.toml
+train: install
+	$(VENV)/bin/fsdp2d train --config $(TRAIN_CONFIG) $(ARGS)
+	$(VENV)/bin/fsdp2d plot runs/$(notdir $(basename $(TRAIN_CONFIG)))
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# `make bench`: fsdp2d against torch's native 2D path (DTensor TP + FSDP2) on a 2x2 gloo
+# mesh of 4 CPU ranks, for each run in BENCH_RUNS (model-size); prints a markdown table.
+# Each run takes 1-3 minutes on a 2-core machine; logs and JSON land in runs/bench/.
+BENCH_RUNS ?= gpt2-small llama-small gpt2-medium llama-medium
+BENCH_STEPS ?= 20
+.PHONY: bench
+bench: install
+	@mkdir -p runs/bench
+	@for run in $(BENCH_RUNS); do \
+	  echo "bench $$run: $$(uptime)"; \
+	  OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 4 benchmarks/compare_torch.py \
+	    --model $${run%-*} --size $${run#*-} --steps $(BENCH_STEPS) --json runs/bench/$$run.json \
+	    > runs/bench/$$run.log 2>&1 || { cat runs/bench/$$run.log; exit 1; }; \
+	done
+	@echo "done: $$(uptime)"
+	@$(PY) benchmarks/compare_torch.py --table $(BENCH_RUNS:%=runs/bench/%.json)

@@ -69,10 +69,10 @@ def state_bytes(model, opt) -> int:
     return int(t.item())
 
 
-def timed(fn) -> float:
+def timed(fn, *args, **kwargs) -> float:
     dist.barrier()
     t0 = time.perf_counter()
-    fn()
+    fn(*args, **kwargs)
     dist.barrier()
     return time.perf_counter() - t0
 
@@ -96,12 +96,12 @@ def main() -> None:
     times = {k: [] for k in ("fsdp2d save", "fsdp2d load", "torch DCP save", "torch DCP load")}
     for i in range(a.repeats):
         p1, p2 = f"{root}/fsdp2d_{i}", f"{root}/dcp_{i}"
-        times["fsdp2d save"].append(timed(lambda: checkpoint.save(p1, ours, ours_opt)))
+        times["fsdp2d save"].append(timed(checkpoint.save, p1, ours, ours_opt))
         state = {"model": theirs.state_dict(), "optim": _dcp_optim_state(theirs, theirs_opt)}
-        times["torch DCP save"].append(timed(lambda: dcp.save(state, checkpoint_id=p2)))
-        times["fsdp2d load"].append(timed(lambda: checkpoint.load(p1, ours, ours_opt)))
+        times["torch DCP save"].append(timed(dcp.save, state, checkpoint_id=p2))
+        times["fsdp2d load"].append(timed(checkpoint.load, p1, ours, ours_opt))
         state = {"model": theirs.state_dict(), "optim": _dcp_optim_state(theirs, theirs_opt)}
-        times["torch DCP load"].append(timed(lambda: dcp.load(state, checkpoint_id=p2)))
+        times["torch DCP load"].append(timed(dcp.load, state, checkpoint_id=p2))
     if dist.get_rank() == 0:
         print(f"state: {nbytes / 2**20:.1f} MiB (params + AdamW), 2x2 mesh, 4 gloo ranks, {a.repeats} repeats")
         print("| operation | median s | GB/s | runs (s) |\n|---|---|---|---|")

@@ -52,7 +52,8 @@ def all_gather(x: torch.Tensor, dim: int, group: Group, global_size: int | None 
 
     Without ``global_size`` all pieces must have the same size (checked by gloo/NCCL).
     With it, pieces are the ``torch.chunk`` sizes of ``global_size`` (trailing ones may
-    be smaller or empty).
+    be smaller or empty). Gathers into a stacked (k, *x.shape) buffer: along dim 0 the
+    result is a free view, along any other dim one concatenating copy.
     """
     k = group_size(group)
     if k == 1:
@@ -61,14 +62,16 @@ def all_gather(x: torch.Tensor, dim: int, group: Group, global_size: int | None 
     local = x.shape[dim]
     sizes = [local] * k if global_size is None else chunk_sizes(global_size, k)
     step = max(sizes)
-    x0 = x.movedim(dim, 0)
     if local < step:  # pad uneven pieces to the common size
-        x0 = torch.cat([x0, x0.new_zeros((step - local, *x0.shape[1:]))])
-    out = x0.new_empty((k * step, *x0.shape[1:]))
-    dist.all_gather_single(out, x0.contiguous(), group=group)
-    if any(s != step for s in sizes):
-        out = torch.cat([out[i * step: i * step + s] for i, s in enumerate(sizes)])
-    return out.movedim(0, dim).contiguous()
+        pad = list(x.shape)
+        pad[dim] = step - local
+        x = torch.cat([x, x.new_zeros(pad)], dim)
+    x = x.contiguous()
+    out = x.new_empty((k, *x.shape))
+    dist.all_gather_single(out.view(-1), x.view(-1), group=group)
+    if dim == 0 and all(s == step for s in sizes):
+        return out.view(k * step, *x.shape[1:])
+    return torch.cat([out[i].narrow(dim, 0, s) for i, s in enumerate(sizes)], dim)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -80,13 +83,24 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     size = x.shape[dim]
     sizes = chunk_sizes(size, k)
     step = max(sizes) if sizes else 0
-    x0 = x.movedim(dim, 0)
-    if step * k != size:
-        x0 = torch.cat([x0, x0.new_zeros((step * k - size, *x0.shape[1:]))])
-    out = x0.new_empty((step, *x0.shape[1:]))
-    dist.reduce_scatter_single(out, x0.contiguous(), group=group)
-    out = out[: sizes[group_rank(group)]]
-    return out.movedim(0, dim).contiguous()
+    if dim == 0 and step * k == size:
+        inp = x.contiguous()
+    else:  # stack the (padded) chunks: one copy, whatever the dim
+        pieces = []
+        for i, s in enumerate(sizes):
+            piece = x.narrow(dim, i * step, s) if s else x.narrow(dim, 0, 0)
+            if s < step:
+                pad = list(x.shape)
+                pad[dim] = step - s
+                piece = torch.cat([piece, x.new_zeros(pad)], dim)
+            pieces.append(piece)
+        inp = torch.stack(pieces)
+    out_shape = list(x.shape)
+    out_shape[dim] = step
+    out = x.new_empty(out_shape)
+    dist.reduce_scatter_single(out.view(-1), inp.reshape(-1), group=group)
+    mine = sizes[group_rank(group)]
+    return out if mine == step else out.narrow(dim, 0, mine).contiguous()
 
 
 def broadcast(x: torch.Tensor, group: Group, src_group_rank: int = 0) -> torch.Tensor:

@@ -13,6 +13,7 @@ explicitly to everything that communicates.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -30,7 +31,18 @@ def _ensure_process_group(device_type: str, world_size: int) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # After a torchrun restart the agent's store can still hold the previous
+            # attempt's rendezvous keys (seen with --standalone: peers then connect to
+            # dead ranks' addresses and are refused). A per-attempt prefix avoids them.
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=False, timeout=timedelta(minutes=30))
+            store = dist.PrefixStore(f"fsdp2d/attempt_{restart}", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend)
     elif world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:

@@ -208,10 +208,13 @@ def _check_no_shared(params: list[FSDPParam]) -> None:
 
 def fsdp_params(model: nn.Module) -> Iterator[tuple[str, FSDPParam]]:
     """``(fqn, FSDPParam)`` for every FSDP-managed parameter of ``model``, fqn relative
-    to ``model`` (``FSDPParam`` has ``layout``, ``sharded``, ``unsharded``)."""
+    to ``model`` (``FSDPParam`` has ``layout``, ``sharded``, ``unsharded``). Parameters
+    replaced since ``fully_shard`` (``to_empty()``) are adopted first, so ``sharded`` is
+    the object the module and an optimizer built from ``model.parameters()`` hold."""
     for prefix, m in model.named_modules():
         state = getattr(m, "_fsdp2d_fsdp", None)
         if state is not None and state.module is m and state.group is not None:
+            state.group.sync_params()
             for p in state.group.params:
                 yield (f"{prefix}.{p.fqn}" if prefix else p.fqn), p
 

@@ -27,6 +27,7 @@ add up in the shard's gradient, so mixing TP and replicated consumers stays exac
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -40,7 +41,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return x.detach()  # an alias, not an autograd view: see tp_input
 
     @staticmethod
     def backward(ctx, grad):
@@ -101,7 +102,7 @@ class _PartialGradToShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, full, shard, dim, group):
         ctx.dim, ctx.group = dim, group
-        return full.view_as(full)
+        return full.detach()  # an alias, not an autograd view: see tp_input
 
     @staticmethod
     def backward(ctx, grad):
@@ -133,11 +134,8 @@ def reduce_from_tp(x: torch.Tensor, *, group: Group) -> torch.Tensor:
 @_identity_at_size_1
 def gather_from_tp(x: torch.Tensor, dim: int, *, group: Group, global_size: int | None = None) -> torch.Tensor:
     """All-gather along ``dim`` ((.., n/k, ..) -> (.., n, ..)); backward splits the
-    (complete) gradient. Shard(dim) -> Replicate. The result is tagged so that
-    :func:`tp_input` can reduce-scatter TP consumers' partial gradients directly."""
-    out = _GatherFromTP.apply(x, dim, group, global_size)
-    out._fsdp2d_gathered = (group, dim, x)
-    return out
+    (complete) gradient. Shard(dim) -> Replicate."""
+    return _GatherFromTP.apply(x, dim, group, global_size)
 
 
 @_identity_at_size_1
@@ -166,18 +164,22 @@ def tp_input(x: torch.Tensor, *, group: Group) -> torch.Tensor:
     collective (see the module docstring), and caches the wrapper on ``x`` so that
     every layer reading ``x`` in this graph shares it. The cache is keyed on the group,
     grad mode and ``x``'s version counter, so an in-place edit or a no-grad pass never
-    reuses a stale wrapper.
+    reuses a stale wrapper. ``x`` holds the wrapper strongly; the wrapper aliases ``x``'s
+    storage without being an autograd view of it (no ``_base``), so nothing points back
+    and no reference cycle forms: both go when the caller drops ``x``. (With a view,
+    the cycle would run through C++ where Python's GC cannot see it, leaking the whole
+    graph every step.) Consumers only read the wrapper; never modify it in place.
     """
     if C.group_size(group) == 1 or not torch.is_floating_point(x):
         return x
     key = (id(group), torch.is_grad_enabled(), _version(x))
-    cached = getattr(x, "_fsdp2d_tp_input", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    out = _cached(x, "_fsdp2d_tp_input", key)
+    if out is not None:
+        return out
     gathered = getattr(x, "_fsdp2d_gathered", None)
-    if gathered is not None and gathered[0] is group:
-        _, dim, shard = gathered
-        out = _PartialGradToShard.apply(x, shard, dim, group)
+    shard = gathered[2]() if gathered is not None and gathered[0] is group else None
+    if shard is not None:
+        out = _PartialGradToShard.apply(x, shard, gathered[1], group)
     else:
         out = _CopyToTP.apply(x, group)
     x._fsdp2d_tp_input = (key, out)
@@ -190,9 +192,15 @@ def gather_cached(x: torch.Tensor, dim: int, *, group: Group) -> torch.Tensor:
     if C.group_size(group) == 1:
         return x
     key = (id(group), dim, torch.is_grad_enabled(), _version(x))
-    cached = getattr(x, "_fsdp2d_gather", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    out = _cached(x, "_fsdp2d_gather", key)
+    if out is not None:
+        return out
     out = gather_from_tp(x, dim, group=group)
+    out._fsdp2d_gathered = (group, dim, weakref.ref(x))  # weak: x -> out is the strong link
     x._fsdp2d_gather = (key, out)
     return out
+
+
+def _cached(x: torch.Tensor, attr: str, key: tuple) -> torch.Tensor | None:
+    entry = getattr(x, attr, None)
+    return entry[1] if entry is not None and entry[0] == key else None

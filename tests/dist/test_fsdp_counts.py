@@ -121,3 +121,49 @@ def test_memory_is_16_bytes_per_local_parameter(pool):
         assert r["bytes"] == 16 * r["local"]
         assert r["local"] == r["ideal"]  # debug Llama sizes split evenly over 2 x 2
         assert r["padding"] < 0.01 * r["local"]
+
+
+class _AllReduceCounter:
+    """Counts dist.all_reduce calls on one group."""
+
+    def __init__(self, group):
+        self.group, self.count = group, 0
+
+    def __enter__(self):
+        self._real = dist.all_reduce
+
+        def wrapped(*args, **kwargs):
+            if kwargs.get("group") is self.group:
+                self.count += 1
+            return self._real(*args, **kwargs)
+
+        dist.all_reduce = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._real
+
+
+def job_count_tp_all_reduces():
+    torch.set_num_threads(1)
+    mesh, model = _model_2d()
+    x = torch.randint(0, 256, (2, 16))
+    counts = []
+    for _ in range(2):
+        with _AllReduceCounter(mesh["tp"].get_group()) as fwd:
+            loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        with _AllReduceCounter(mesh["tp"].get_group()) as bwd:
+            loss.backward()
+        counts.append((fwd.count, bwd.count))
+    return counts
+
+
+def test_column_wise_layers_sharing_an_input_share_one_backward_all_reduce(pool):
+    """Per block, forward all-reduces the two row-wise outputs (wo, w2); backward
+    all-reduces the input gradient of attention (shared by wq, wk, wv) and of the MLP
+    (shared by w1, w3) once each; plus the vocab-parallel embedding in forward and the
+    output layer's input in backward. torch's native path does one backward all-reduce
+    per column-wise layer: 5 per block instead of 2."""
+    layers = LlamaArgs.debug().n_layers
+    for fwd, bwd in pool.run(job_count_tp_all_reduces)[0]:
+        assert (fwd, bwd) == (2 * layers + 1, 2 * layers + 1), (fwd, bwd)

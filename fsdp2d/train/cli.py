@@ -1,0 +1,82 @@
+"""``fsdp2d train`` and ``fsdp2d plot``: the launcher's entry points.
+
+``fsdp2d train --config configs/NAME.toml [--section.key=value ...]`` (also
+``python -m fsdp2d.train``): outside torchrun it relaunches itself through
+``torch.distributed.run`` with the processes the config asks for; under torchrun (one or
+many nodes, e.g. inside a SLURM allocation) it uses their environment. After a torchrun
+restart (``--max-restarts``) it resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch.distributed as dist
+
+from .config import ConfigError, help_text, load_config, validate
+
+
+def _split(argv: list[str]) -> tuple[str | None, list[str]]:
+    config, rest, i = None, [], 0
+    while i < len(argv):
+        if argv[i] == "--config":
+            config, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--config="):
+            config, i = argv[i].split("=", 1)[1], i + 1
+        elif argv[i] == "--resume":
+            rest.append("--checkpoint.resume=true")
+            i += 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return config, rest
+
+
+def train(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print("usage: fsdp2d train --config FILE.toml [--resume] [--section.key=value ...]\n")
+        print(help_text())
+        return 0
+    config, overrides = _split(argv)
+    try:
+        cfg = load_config(config, overrides)
+        if "LOCAL_RANK" not in os.environ:  # not under torchrun: launch ourselves
+            validate(cfg)
+            nproc = cfg.parallel.nproc or cfg.world_size
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                   "-m", "fsdp2d.train", *argv]
+            return subprocess.call(cmd)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    from .trainer import Trainer  # imported only in the workers
+
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        trainer.maybe_resume()
+        trainer.run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in ("train", "plot"):
+        print("usage: fsdp2d {train,plot} ...  (fsdp2d train --help)", file=sys.stderr)
+        return 2
+    if argv[0] == "plot":
+        from .plot import plot
+
+        for run_dir in argv[1:]:
+            print(plot(run_dir))
+        return 0
+    return train(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Training metrics: ``metrics.jsonl``, a console progress line, MFU and peak memory.
+
+Only rank 0 writes. Each logged step is one JSON object with at least ``step``, ``loss``,
+``lr``, ``grad_norm``, ``tokens_per_s``, ``mfu`` and ``peak_mem_mib``; evaluation adds
+``eval_loss``. MFU = achieved model FLOP/s (6 N + 12 L H d_head T per token, the
+model's ``flops_per_token``) over the peak of all ranks: ``metrics.peak_flops`` per
+device when set, H100/A100 bf16 defaults on CUDA, and on CPU a matmul peak measured at
+start-up on one thread (what each rank gets here).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GPU_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
+
+
+def measure_cpu_peak(n: int = 256, reps: int = 20) -> float:
+    """FLOP/s of an fp32 n x n matmul on this process's threads (best of ``reps``)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def device_peak(device: str, configured: float | None) -> float:
+    if configured:
+        return configured
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, peak in GPU_PEAKS.items():
+            if key in name:
+                return peak
+        return GPU_PEAKS["A100"]
+    return measure_cpu_peak()
+
+
+def peak_memory_mib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class Metrics:
+    """Appends one JSON line per logged step; draws a progress line on a terminal."""
+
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool) -> None:
+        self.enabled, self.total = enabled, total_steps
+        self.path = run_dir / "metrics.jsonl"
+        self.tty = sys.stdout.isatty()
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.progress(record, final=True)
+
+    def progress(self, record: dict[str, Any], final: bool = False) -> None:
+        if not self.enabled:
+            return
+        step = record["step"]
+        width = 24
+        filled = int(width * step / max(self.total, 1))
+        bar = "#" * filled + "." * (width - filled)
+        text = (f"[{bar}] step {step}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                f"{record['tokens_per_s']:.0f} tok/s mfu {100 * record['mfu']:.2f}%")
+        if "eval_loss" in record:
+            text += f" eval {record['eval_loss']:.4f}"
+        if self.tty:
+            print("\r" + text, end="\n" if step == self.total else "", flush=True)
+        elif final:
+            print(text, flush=True)

@@ -1,0 +1,206 @@
+"""The pretraining loop, written against fsdp2d's public API only (as a user would).
+
+config -> mesh -> model on the meta device -> TP plan -> activation checkpointing ->
+``fully_shard`` per block and root -> ``to_empty`` + ``init_weights`` -> AdamW with
+warmup and decay -> microbatches without gradient sync until the last -> global-norm
+clipping -> metrics, evaluation and checkpoints. A resumed run loads model, optimizer,
+data position and RNG state from the latest checkpoint and continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+import time
+from contextlib import nullcontext
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as recompute
+
+import fsdp2d
+from fsdp2d import checkpoint as ckpt
+from fsdp2d.models import GPT2, Llama, gpt2_tp_plan, llama_tp_plan
+
+from .config import JobConfig, save_config, validate
+from .data import build_data
+from .metrics import Metrics, device_peak, peak_memory_mib
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a NaN loss); the message says what was kept."""
+
+
+def build_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
+    """Meta-device model, parallelized, materialised with this rank's shards only."""
+    args = cfg.model.to_args()
+    with torch.device("meta"):
+        model = Llama(args) if cfg.model.name == "llama" else GPT2(args)
+    p = cfg.parallel
+    if p.tp > 1:
+        make_plan = llama_tp_plan if cfg.model.name == "llama" else gpt2_tp_plan
+        fsdp2d.parallelize_module(model, mesh["tp"], make_plan(sequence_parallel=p.sequence_parallel,
+                                                               loss_parallel=p.loss_parallel))
+    blocks = list(model.layers if cfg.model.name == "llama" else model.h)
+    if cfg.training.activation_checkpointing:
+        for block in blocks:
+            _checkpoint_activations(block)
+    dp_axes = tuple(n for n in cfg.mesh_dim_names if n != "tp")
+    bf16 = cfg.training.mixed_precision == "bf16"
+    mp = fsdp2d.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else fsdp2d.MixedPrecisionPolicy()
+    for block in blocks:
+        fsdp2d.fully_shard(block, mesh=mesh[dp_axes], mp_policy=mp)
+    fsdp2d.fully_shard(model, mesh=mesh[dp_axes], mp_policy=mp)
+    model.to_empty(device=p.device)
+    torch.manual_seed(cfg.training.seed)
+    model.init_weights()
+    return model
+
+
+def _checkpoint_activations(block: torch.nn.Module) -> None:
+    """Recompute ``block``'s forward in backward instead of keeping its activations."""
+    inner = block.forward
+
+    def forward(*args, **kwargs):
+        return recompute(inner, *args, use_reentrant=False, **kwargs)
+
+    block.forward = forward
+
+
+def _rng_state() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def _set_rng_state(state: str) -> None:
+    raw = torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8)
+    torch.set_rng_state(raw)
+
+
+def _mean_over_world(value: torch.Tensor) -> float:
+    """Mean of a per-rank scalar; TP ranks of one data slice hold equal values."""
+    t = value.detach().float().reshape(1).clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", cfg.world_size)))
+        self.mesh = fsdp2d.init_device_mesh(cfg.parallel.device, cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names)
+        self.rank = dist.get_rank()
+        self.model = build_model(cfg, self.mesh)
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                     weight_decay=o.weight_decay)
+        dp_rank = 0
+        for name in self.mesh.mesh_dim_names:
+            if name != "tp":
+                dp_rank = dp_rank * self.mesh.size(name) + self.mesh.get_local_rank(name)
+        self.data = build_data(cfg, dp_rank, cfg.dp_degree)
+        self.ckpts = ckpt.CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.checkpoint.keep_last)
+        self.step = 0
+        self.metrics = Metrics(cfg.run_dir, cfg.training.steps, enabled=self.rank == 0)
+        with torch.device("meta"):
+            meta = Llama(cfg.model.to_args()) if cfg.model.name == "llama" else GPT2(cfg.model.to_args())
+        self.flops_per_token = meta.flops_per_token(cfg.data.seq_len)
+        self.peak = device_peak(cfg.parallel.device, cfg.metrics.peak_flops)
+        if self.rank == 0:
+            save_config(cfg, cfg.run_dir / "config.toml")
+
+    # -- resume ------------------------------------------------------------------------
+    def maybe_resume(self) -> None:
+        """Continue from the latest checkpoint when asked to, or after a torchrun restart."""
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        latest = self.ckpts.latest()
+        if latest is None or not (self.cfg.checkpoint.resume or restarted):
+            return
+        extra = ckpt.load(latest, self.model, self.opt)
+        self.step = extra["step"]
+        self.data.train.load_state_dict(extra["data"])
+        _set_rng_state(extra["rng"])
+        if self.rank == 0:
+            print(f"resumed from {latest} at step {self.step}", flush=True)
+
+    def save(self) -> None:
+        extra = {"step": self.step, "data": self.data.train.state_dict(), "rng": _rng_state()}
+        self.ckpts.save(self.step, self.model, self.opt, extra=extra)
+
+    # -- one step ------------------------------------------------------------------------
+    def _loss_context(self):
+        return fsdp2d.loss_parallel() if self.cfg.parallel.loss_parallel and self.cfg.parallel.tp > 1 \
+            else nullcontext()
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        device = self.cfg.parallel.device
+        x, y = x.to(device), y.to(device)
+        with self._loss_context():
+            logits = self.model(x)
+            if not self.cfg.parallel.loss_parallel:
+                logits = logits.float()
+            return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def train_step(self, batches: Iterator) -> tuple[float, float]:
+        accum = self.cfg.accum_steps
+        total = torch.zeros((), device=self.cfg.parallel.device)
+        for micro in range(accum):
+            self.model.set_requires_gradient_sync(micro == accum - 1)
+            x, y = next(batches)
+            loss = self._loss(x, y) / accum
+            with self._loss_context():
+                loss.backward()
+            total += loss.detach()
+        loss_value = _mean_over_world(total)
+        if not math.isfinite(loss_value):
+            latest = self.ckpts.latest()
+            raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; stopped before the optimizer "
+                                f"step. Last good checkpoint: {latest or 'none'}. Lower optim.lr or check the data")
+        max_norm = self.cfg.optim.max_norm if self.cfg.optim.max_norm > 0 else float("inf")
+        grad_norm = fsdp2d.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss_value, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        batches = iter(self.data.eval_batches())
+        total = torch.zeros((), device=self.cfg.parallel.device)
+        steps = self.cfg.training.eval_steps
+        for _ in range(steps):
+            total += self._loss(*next(batches))
+        self.model.train()
+        return _mean_over_world(total / steps)
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg, t = self.cfg, self.cfg.training
+        stop = min(t.steps, t.stop_at) if t.stop_at else t.steps
+        tokens_per_step = t.global_batch * cfg.data.seq_len
+        record: dict = {}
+        while self.step < stop:
+            lr = cfg.optim.lr_at(self.step, t.steps)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            t0 = time.perf_counter()
+            loss, grad_norm = self.train_step(self.data.train)
+            self.step += 1
+            dt = time.perf_counter() - t0
+            tps = tokens_per_step / dt
+            record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+                      "mfu": self.flops_per_token * tps / (self.peak * dist.get_world_size()),
+                      "peak_mem_mib": peak_memory_mib(cfg.parallel.device), "step_time_s": dt}
+            if t.eval_every and self.step % t.eval_every == 0:
+                record["eval_loss"] = self.evaluate()
+            if self.step % t.log_every == 0 or self.step == stop or "eval_loss" in record:
+                self.metrics.log(record)
+            else:
+                self.metrics.progress(record)
+            every = cfg.checkpoint.every
+            if (every and self.step % every == 0) or self.step == stop:
+                self.save()
+        return record

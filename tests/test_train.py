@@ -1,0 +1,141 @@
+"""The launcher end to end, on the smallest job that shows each property.
+
+Each test starts real jobs (``fsdp2d train`` -> torchrun -> 4 gloo ranks, 2 x 2 mesh), so
+they are few: an uninterrupted run, a run stopped half-way and resumed, and a run with a
+rank killed mid-way under ``torchrun --max-restarts 1``. fp32 on CPU is deterministic for a
+fixed mesh, so resumed loss curves must equal the uninterrupted one bit for bit.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp2d.train.plot import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--config", str(ROOT / "configs" / "debug_cpu.toml"), "--model.dim=32", "--model.n_layers=2",
+         "--model.n_heads=4", "--model.n_kv_heads=2", "--model.max_seq_len=32", "--data.seq_len=32",
+         "--training.steps=8", "--training.global_batch=8", "--training.log_every=1", "--training.eval_every=4",
+         "--training.eval_steps=2", "--checkpoint.every=4", "--checkpoint.keep_last=3"]
+
+
+def _train(runs: Path, name: str, *extra: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    args = [*SMALL, f"--metrics.runs_dir={runs}", f"--metrics.run_name={name}", *extra]
+    cmd = launcher or [sys.executable, "-m", "fsdp2d.train"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run)}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    proc = _train(runs, "base")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return runs, _losses(runs / "base")
+
+
+@pytest.mark.dist
+def test_run_writes_metrics_checkpoints_and_plot(baseline):
+    runs, losses = baseline
+    run = runs / "base"
+    records = read_metrics(run)
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mib"):
+        assert all(key in r for r in records), key
+    assert sorted(losses) == list(range(1, 9))
+    assert "eval_loss" in records[3] and "eval_loss" in records[7]
+    assert losses[8] < losses[1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
+    out = subprocess.run([sys.executable, "-m", "fsdp2d.train.cli", "plot", str(run)], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and (run / "loss.png").stat().st_size > 1000, out.stderr
+
+
+@pytest.mark.dist
+def test_resume_is_bitwise_identical(baseline):
+    runs, want = baseline
+    first = _train(runs, "resumed", "--training.stop_at=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _train(runs, "resumed", "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    assert _losses(runs / "resumed") == want  # every step, bit for bit
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        if int(fields.get("PPid", "0").strip()) == pid:
+            out.append(int(status.parent.name))
+    return out
+
+
+@pytest.mark.dist
+def test_killed_rank_restarts_from_checkpoint(baseline):
+    """torchrun --max-restarts 1: kill one rank after step 5; all ranks restart, resume
+    from the step-4 checkpoint, and finish with the uninterrupted run's final loss."""
+    runs, want = baseline
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+           "--max-restarts", "1", "-m", "fsdp2d.train",
+           *SMALL, f"--metrics.runs_dir={runs}", "--metrics.run_name=killed"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = runs / "killed" / "metrics.jsonl"
+    deadline = time.time() + 240
+    killed = False
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(l)["step"] >= 5 for l in metrics.read_text().splitlines() if l):
+            workers = _children(proc.pid)
+            assert workers, "no worker processes found"
+            os.kill(sorted(workers)[-1], signal.SIGKILL)
+            killed = True
+            break
+        time.sleep(0.2)
+    out, _ = proc.communicate(timeout=300)
+    assert killed, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out and "step_00000004" in out, out[-3000:]
+    got = _losses(runs / "killed")
+    assert got[8] == want[8], (got, want)
+
+
+def test_nan_loss_stops_with_clear_error_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    """World size 1 runs in-process. lr=1e20 without clipping blows the weights up; the
+    run must stop at the first non-finite loss, before the optimizer step, with an error
+    naming the last good checkpoint, and that checkpoint must load."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    import torch.distributed as dist
+
+    from fsdp2d import checkpoint as ckpt
+    from fsdp2d.train.config import load_config
+    from fsdp2d.train.trainer import Trainer, TrainingError
+
+    overrides = [a for a in SMALL[2:] if not a.startswith("--training.eval")]
+    cfg = load_config(ROOT / "configs" / "debug_cpu.toml", [
+        *overrides, "--parallel.dp=1", "--parallel.tp=1", "--training.global_batch=2", "--optim.lr=1e20",
+        "--optim.warmup_steps=0", "--optim.max_norm=0", "--checkpoint.every=1", "--training.steps=50",
+        "--training.eval_every=0", f"--metrics.runs_dir={tmp_path}", "--metrics.run_name=nan"])
+    try:
+        trainer = Trainer(cfg)
+        with pytest.raises(TrainingError) as err:
+            trainer.run()
+        message = str(err.value)
+        assert "loss is nan" in message or "loss is inf" in message, message
+        latest = trainer.ckpts.latest()
+        assert latest is not None and str(latest) in message
+        assert ckpt.load(latest, trainer.model, trainer.opt)["step"] == trainer.step
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
