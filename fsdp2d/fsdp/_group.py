@@ -91,6 +91,7 @@ class FSDPParamGroup:
         self._gather: tuple[Any, torch.Tensor] | None = None
         self._reduce: tuple[Any, torch.Tensor] | None = None
         self.grads_ready = 0
+        self.num_trainable = sum(p.requires_grad for p in params)
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
         self.compute_device = params[0].sharded.device if params else torch.device("cpu")
@@ -202,7 +203,7 @@ class FSDPParamGroup:
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
         self.grads_ready += 1
         self.needs_reduce = True
-        if self.grads_ready == sum(p.requires_grad for p in self.params):
+        if self.grads_ready == self.num_trainable:
             self.ctx.post_backward(self)
 
     def reduce_grads(self) -> None:
