@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -17,7 +16,7 @@ from safetensors.torch import save as st_save
 from ..bridge import LocalShard, gather_full
 from ..placement import Box
 from ._entries import model_entries
-from ._io import INDEX, FORMAT, VERSION, _Files, _fsync_write, read_box, read_index, save
+from ._io import FORMAT, INDEX, VERSION, _digest, _Files, _fsync_write, read_box, read_index, save
 
 __all__ = ["get_model_state_dict", "CheckpointManager", "export", "inspect"]
 
@@ -115,11 +114,11 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, max_shard_bytes: 
         data = st_save(shard)
         _fsync_write(out / fname, data)
 
-        file_meta[fname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        file_meta[fname] = {"size": len(data)}
         for key, t in shard.items():
             tensors[f"model/{key}"] = {"dtype": index["tensors"][f"model/{key}"]["dtype"], "shape": list(t.shape),
                                        "boxes": [{"offset": [0] * t.ndim, "shape": list(t.shape),
-                                                  "file": fname, "key": key}]}
+                                                  "file": fname, "key": key, "sha256": _digest(t)}]}
     if n > 1:
         weight_map = {k: f for f, shard in zip(fnames, shards) for k in shard}
         total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())

@@ -3,19 +3,21 @@
 Format (``fsdp2d.index.json`` in the checkpoint folder)::
 
     {"format": "fsdp2d", "version": 1, "mesh": {...}, "extra": {...}, "optim_hparams": [...],
-     "files": {"rank00003.safetensors": {"size": 1234, "sha256": "..."}},
+     "files": {"rank00003.safetensors": {"size": 1234}},
      "tensors": {"model/layers.0.attention.wq.weight":
                  {"dtype": "float32", "shape": [64, 64],
                   "boxes": [{"offset": [0, 0], "shape": [16, 64],
-                             "file": "rank00000.safetensors", "key": "..."}, ...]}}}
+                             "file": "rank00000.safetensors", "key": "...", "sha256": "..."},
+                            ...]}}}
 
 Save: every rank lists the boxes it holds; the lowest rank holding a box writes it (so
-a replicated piece is written once); files go to a temporary folder, are fsynced, and
-the folder is renamed into place only when every rank succeeded: a crash leaves the
-previous checkpoint untouched. Load: every rank reads, with safetensors slicing, just
-the parts of saved boxes that intersect its own boxes, verifies sizes and checksums of
-the files it reads, stages everything, and only when all ranks succeeded copies into the
-model and optimizer. Nothing is unpickled: JSON and safetensors only.
+a replicated piece is written once, with its sha256 in the index); files go to a
+temporary folder, are fsynced, and the folder is renamed into place only when every rank
+succeeded: a crash leaves the previous checkpoint untouched. Load: every rank reads only
+the saved boxes that intersect its own boxes (each once, checksum verified; a box is one
+rank's shard, never a whole tensor unless it was saved unsharded), checks file sizes,
+stages everything, and only when all ranks succeeded copies into the model and
+optimizer. Nothing is unpickled: JSON and safetensors only.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             data = st_save(mine)
             fname = f"rank{rank:05d}.safetensors"
             _write_file(tmp / fname, data)
-            file_info = (fname, len(data), hashlib.sha256(data).hexdigest())
+            file_info = (fname, len(data), {k: _digest(t) for k, t in mine.items()})
     except Exception as exc:  # every rank aborts together below
         error = f"rank {rank}: {exc!r}"
     infos = _all_gather_objects((file_info, error))
@@ -132,18 +134,24 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         raise CheckpointError(f"save to {path} failed, previous checkpoint kept: "
                               + "; ".join(e for _, e in infos if e))
     if rank == 0:
-        files = {i[0]: {"size": i[1], "sha256": i[2]} for i, _ in infos if i is not None}
+        files = {i[0]: {"size": i[1]} for i, _ in infos if i is not None}
+        digests = {k: d for i, _ in infos if i is not None for k, d in i[2].items()}
         index = {"format": FORMAT, "version": VERSION, "world_size": len(all_meta),
                  "mesh": _mesh_meta(entries), "extra": extra or {},
                  "optim_hparams": optimizer_hparams(optimizer) if optimizer else None,
-                 "files": files, "tensors": _tensor_index(all_meta, writer)}
+                 "files": files, "tensors": _tensor_index(all_meta, writer, digests)}
         _fsync_write(tmp / INDEX, json.dumps(index, indent=1).encode())
         _fsync_dir(tmp)
         _commit(tmp, path)
     _barrier()
 
 
-def _tensor_index(all_meta: list[list], writer: dict[str, int]) -> dict:
+def _digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (any dtype, bf16 included)."""
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def _tensor_index(all_meta: list[list], writer: dict[str, int], digests: dict[str, str]) -> dict:
     tensors: dict[str, dict] = {}
     written: set[str] = set()
     for rows in all_meta:
@@ -152,7 +160,8 @@ def _tensor_index(all_meta: list[list], writer: dict[str, int]) -> dict:
             if key in writer and key not in written:
                 written.add(key)
                 t["boxes"].append({"offset": list(offset), "shape": list(shape),
-                                   "file": f"rank{writer[key]:05d}.safetensors", "key": key})
+                                   "file": f"rank{writer[key]:05d}.safetensors", "key": key,
+                                   "sha256": digests[key]})
     return tensors
 
 
@@ -205,7 +214,9 @@ def read_index(path: str | os.PathLike) -> dict:
 
 
 class _Files:
-    """Opens checkpoint files on demand, after checking their size and checksum."""
+    """Opens checkpoint files on demand after checking their size against the index,
+    and reads boxes verified against their sha256. A box belongs to one tensor, so each
+    is read at most once per load and dropped after use."""
 
     def __init__(self, root: Path, index: dict) -> None:
         self.root, self.index, self.handles = root, index, {}
@@ -218,17 +229,27 @@ class _Files:
                 raise CheckpointError(f"{self.root}: {name} is referenced by a box but not listed in {INDEX}")
             if not file.is_file():
                 raise CheckpointError(f"{file} is missing")
-            data = file.read_bytes()
-            if len(data) != info["size"]:
-                raise CheckpointError(f"{file} is truncated or has the wrong size: {len(data)} bytes, "
+            size = file.stat().st_size
+            if size != info["size"]:
+                raise CheckpointError(f"{file} is truncated or has the wrong size: {size} bytes, "
                                       f"expected {info['size']}")
-            if hashlib.sha256(data).hexdigest() != info["sha256"]:
-                raise CheckpointError(f"{file} is corrupted: sha256 does not match the index")
             try:
                 self.handles[name] = safe_open(str(file), framework="pt")
             except Exception as exc:
                 raise CheckpointError(f"{file} cannot be read as safetensors: {exc}") from None
         return self.handles[name]
+
+    def box(self, b: dict) -> torch.Tensor:
+        """The whole saved box ``b`` (a shard, never more), checksum verified."""
+        handle = self.get(b["file"])
+        try:
+            t = handle.get_tensor(b["key"])
+        except Exception as exc:
+            raise CheckpointError(f"{self.root / b['file']}: cannot read {b['key']!r}: {exc}") from None
+        if "sha256" in b and _digest(t) != b["sha256"]:
+            raise CheckpointError(f"{self.root / b['file']} is corrupted: {b['key']!r} does not match its "
+                                  f"sha256 in {INDEX}")
+        return t
 
 
 def _check_names(index: dict, entries: list[Entry], path: Path, with_optim: bool) -> None:
@@ -256,12 +277,8 @@ def read_box(files: _Files, meta: dict, name: str, target: Box, dtype: torch.dty
                                                                   inter.local_shape))
         dst = tuple(slice(o - to, o - to + n) for o, to, n in zip(inter.global_offset, target.global_offset,
                                                                  inter.local_shape))
-        handle = files.get(b["file"])
-        try:
-            piece = handle.get_slice(b["key"])[src] if src else handle.get_tensor(b["key"])
-        except Exception as exc:
-            raise CheckpointError(f"{files.root / b['file']}: cannot read {b['key']!r}: {exc}") from None
-        out[dst] = piece
+        box = files.box(b)
+        out[dst] = box[src] if src else box
         covered += inter.numel()
     if covered != target.numel():
         raise CheckpointError(f"the checkpoint's boxes cover {covered} of the {target.numel()} elements "
