@@ -114,11 +114,17 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             if key not in writer and all(shape):  # lowest rank holding a non-empty box
                 writer[key] = r
     tmp = path.parent / f".{path.name}.tmp-{_shared_nonce()}"
-    file_info, error = None, ""
-    try:
-        if rank == 0:
+    error = ""
+    if rank == 0:
+        try:
             tmp.mkdir(parents=True)
-        _barrier()
+        except Exception as exc:  # every rank learns it through the same collective
+            error = f"rank 0: cannot create {tmp}: {exc!r}"
+    errors = [e for e in _all_gather_objects(error) if e]
+    if errors:
+        raise CheckpointError(f"save to {path} failed, previous checkpoint kept: {'; '.join(errors)}")
+    file_info = None
+    try:
         mine = {_key(e): e.tensor.detach().contiguous().cpu() for e in entries if writer.get(_key(e)) == rank}
         if mine:
             data = st_save(mine)
@@ -128,22 +134,28 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     except Exception as exc:  # every rank aborts together below
         error = f"rank {rank}: {exc!r}"
     infos = _all_gather_objects((file_info, error))
-    if not _agree(not error):
+    if any(e for _, e in infos):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"save to {path} failed, previous checkpoint kept: "
                               + "; ".join(e for _, e in infos if e))
     if rank == 0:
-        files = {i[0]: {"size": i[1]} for i, _ in infos if i is not None}
-        digests = {k: d for i, _ in infos if i is not None for k, d in i[2].items()}
-        index = {"format": FORMAT, "version": VERSION, "world_size": len(all_meta),
-                 "mesh": _mesh_meta(entries), "extra": extra or {},
-                 "optim_hparams": optimizer_hparams(optimizer) if optimizer else None,
-                 "files": files, "tensors": _tensor_index(all_meta, writer, digests)}
-        _fsync_write(tmp / INDEX, json.dumps(index, indent=1).encode())
-        _fsync_dir(tmp)
-        _commit(tmp, path)
-    _barrier()
+        try:
+            files = {i[0]: {"size": i[1]} for i, _ in infos if i is not None}
+            digests = {k: d for i, _ in infos if i is not None for k, d in i[2].items()}
+            index = {"format": FORMAT, "version": VERSION, "world_size": len(all_meta),
+                     "mesh": _mesh_meta(entries), "extra": extra or {},
+                     "optim_hparams": optimizer_hparams(optimizer) if optimizer else None,
+                     "files": files, "tensors": _tensor_index(all_meta, writer, digests)}
+            _fsync_write(tmp / INDEX, json.dumps(index, indent=1).encode())
+            _fsync_dir(tmp)
+            _commit(tmp, path)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"rank 0: committing {path}: {exc!r}"
+    errors = [e for e in _all_gather_objects(error) if e]
+    if errors:
+        raise CheckpointError(f"save to {path} failed, previous checkpoint kept: {'; '.join(errors)}")
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -167,11 +179,6 @@ def _tensor_index(all_meta: list[list], writer: dict[str, int], digests: dict[st
 
 def _shared_nonce() -> str:
     return _all_gather_objects(uuid.uuid4().hex[:12])[0]
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -246,6 +253,9 @@ class _Files:
             t = handle.get_tensor(b["key"])
         except Exception as exc:
             raise CheckpointError(f"{self.root / b['file']}: cannot read {b['key']!r}: {exc}") from None
+        if tuple(t.shape) != tuple(b["shape"]):
+            raise CheckpointError(f"{self.root / b['file']}: {b['key']!r} has shape {tuple(t.shape)}, "
+                                  f"the index says {tuple(b['shape'])}")
         if "sha256" in b and _digest(t) != b["sha256"]:
             raise CheckpointError(f"{self.root / b['file']} is corrupted: {b['key']!r} does not match its "
                                   f"sha256 in {INDEX}")
@@ -289,7 +299,8 @@ def read_box(files: _Files, meta: dict, name: str, target: Box, dtype: torch.dty
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load a checkpoint saved on any mesh into ``model`` (and ``optimizer``) on this one.
 
-    Collective. Each rank reads only the slices intersecting its own boxes. Errors (a
+    Collective. Each rank reads only the saved boxes intersecting its own boxes (each
+    whole, to verify its checksum, then sliced; never other ranks' boxes). Errors (a
     missing, truncated or corrupted file, missing or unexpected keys, a shape or dtype
     mismatch) raise :class:`CheckpointError` on every rank and leave the model and
     optimizer untouched. Returns the ``extra`` dict given to :func:`save`.
@@ -313,6 +324,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             staged[e.name] = read_box(files, meta, e.name, e.box, e.tensor.dtype)
     except CheckpointError as exc:
         error = exc
+    except Exception as exc:  # any failure must reach the agreement below, or peers hang
+        error = CheckpointError(f"loading {path} failed: {exc!r}")
+        error.__cause__ = exc
     if not _agree(error is None):
         raise error or CheckpointError(f"loading {path} failed on another rank; nothing was changed")
     with torch.no_grad():

@@ -56,12 +56,6 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
-def _replaced(p: FSDPParam) -> bool:
-    """The module holds neither our sharded nor our unsharded parameter (identity)."""
-    current = p.module._parameters[p.name]
-    return current is not p.sharded and current is not p.unsharded
-
-
 class FSDPParamGroup:
     def __init__(self, params: list[FSDPParam], shard_group: C.Group, replicate_group: C.Group | None,
                  mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str) -> None:
@@ -80,7 +74,7 @@ class FSDPParamGroup:
                 f"fully_shard({fqn or '<root>'}): parameters have mixed dtypes ({names}); one group "
                 f"all-gathers one buffer, so set MixedPrecisionPolicy(param_dtype=...) or cast the module"
             )
-        self.dtype = params[0].sharded.dtype if params else torch.float32
+        self.dtype = params[0].sharded.dtype if params else torch.float32  # _build_flat refreshes
         self.param_dtype = mp.param_dtype or self.dtype
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
         self.flats: dict[torch.dtype, torch.Tensor] = {}  # sharded storage, one per parameter dtype
@@ -91,7 +85,9 @@ class FSDPParamGroup:
         self._gather: tuple[Any, torch.Tensor] | None = None
         self._reduce: tuple[Any, torch.Tensor] | None = None
         self.grads_ready = 0
-        self.num_trainable = sum(p.requires_grad for p in params)
+        self.num_trainable = 0  # set by _sync_requires_grad
+        self._reduced: list[FSDPParam] = []  # parameters in the reduce-scatter in flight
+        self._gathered_versions: list[int] = []  # shard version counters at the last gather
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
         self.compute_device = params[0].sharded.device if params else torch.device("cpu")
@@ -103,6 +99,13 @@ class FSDPParamGroup:
         in all but mixed-dtype groups) and make each registered parameter a view of its
         slot (the same Parameter object when it exists, so optimizers keep working)."""
         store = torch.device("cpu") if self._offloading(device) else device
+        current_dtypes = {p.module._parameters[p.name].dtype for p in self.params}
+        if len(current_dtypes) > 1 and self.mp.param_dtype is None:
+            raise ValueError(f"fully_shard({self.fqn}): parameters now have mixed dtypes {sorted(map(str, current_dtypes))}; "
+                             f"cast the whole module or set MixedPrecisionPolicy(param_dtype=...)")
+        self.dtype = self.params[0].module._parameters[self.params[0].name].dtype
+        self.param_dtype = self.mp.param_dtype or self.dtype
+        self.reduce_dtype = self.mp.reduce_dtype or self.param_dtype
         sizes: dict[torch.dtype, int] = {}
         for p in self.params:
             dtype = p.module._parameters[p.name].dtype
@@ -125,10 +128,36 @@ class FSDPParamGroup:
                 p.sharded = torch.nn.Parameter(view, requires_grad=p.requires_grad)
             p.sharded._fsdp2d_layout = p.layout  # the 2D layout, read by clip_grad_norm_
             p.register("sharded")
+            p.requires_grad = current.requires_grad
             p.make_unsharded(self.param_dtype, device)
-            if p.requires_grad:
-                p.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._sync_requires_grad()
         self.compute_device = device
+
+    def _sync_requires_grad(self) -> None:
+        """Follow ``requires_grad`` changes made after ``fully_shard`` (freezing layers)."""
+        for p in self.params:
+            wanted = p.sharded.requires_grad
+            if p.unsharded.requires_grad != wanted:
+                p.unsharded.requires_grad_(wanted)
+            p.requires_grad = wanted
+            if wanted and not getattr(p.unsharded, "_fsdp2d_hooked", False):
+                p.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.unsharded._fsdp2d_hooked = True
+        self.num_trainable = sum(p.requires_grad for p in self.params)
+
+    def _replaced(self, p: FSDPParam) -> bool:
+        """The module no longer holds our parameters: a new object (``to_empty()`` on a
+        meta model, ``load_state_dict(assign=True)``), or our object whose storage was
+        swapped in place (``to_empty()``/``.double()``/``.to()`` on a real model)."""
+        current = p.module._parameters[p.name]
+        if current is p.unsharded:
+            return False
+        if current is not p.sharded:
+            return True
+        slot = self.flats.get(current.dtype)
+        if slot is None or slot.device != current.device:
+            return True
+        return current.numel() > 0 and current.data_ptr() != slot[p.store_offset:].data_ptr()
 
     def _send_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's all-gather input in ``dtype``: the flat buffer itself when it has
@@ -150,17 +179,21 @@ class FSDPParamGroup:
         with assign): rebuild the flat buffer from whatever the modules now hold."""
         if not self.params:
             return
-        registered = self.params[0].module._parameters[self.params[0].name]
-        on_meta = any(f.device.type == "meta" for f in self.flats.values())
-        if any(_replaced(p) for p in self.params) or (on_meta and registered.device.type != "meta"):
+        replaced = [p for p in self.params if self._replaced(p)]
+        if replaced:
             self.wait_unshard()
             self.unsharded = False  # the rebuild makes new (freed) unsharded parameters
-            device = next(p.module._parameters[p.name].device for p in self.params if _replaced(p)) \
-                if any(_replaced(p) for p in self.params) else registered.device
-            self._build_flat(device)
+            self._build_flat(replaced[0].module._parameters[replaced[0].name].device)
+        elif any(p.unsharded.requires_grad != p.sharded.requires_grad for p in self.params):
+            self._sync_requires_grad()
 
     # -- all-gather ------------------------------------------------------------------
+    def _shard_versions(self) -> list[int]:
+        return [p.sharded._version for p in self.params]
+
     def unshard(self, async_op: bool = False) -> None:
+        if self.unsharded and self._shard_versions() != self._gathered_versions:
+            self.reshard()  # shards changed since the gather (optimizer step, load): stale
         if self.unsharded or self._gather is not None:
             if not async_op:
                 self.wait_unshard()
@@ -187,6 +220,7 @@ class FSDPParamGroup:
             p.copy_in(gathered)
         self._gather = None
         self.unsharded = True
+        self._gathered_versions = self._shard_versions()
 
     def reshard(self) -> None:
         self.wait_unshard()
@@ -211,12 +245,14 @@ class FSDPParamGroup:
         if not self.needs_reduce or not self.requires_sync:
             return
         buf = torch.empty((self.k, self.total), dtype=self.reduce_dtype, device=self.compute_device)
+        self._reduced = []
         for p in self.params:
             g = p.unsharded.grad
-            if g is None:
+            if g is None:  # zeros keep the collective identical on every rank
                 buf[:, p.offset:p.offset + p.segment_numel].zero_()
             else:
                 p.copy_grad_out(g, buf)
+                self._reduced.append(p)  # only these get a .grad (others stay None)
             p.unsharded.grad = None
         self.counts["reduce_scatter"] += 1
         if self.k == 1:
@@ -226,19 +262,20 @@ class FSDPParamGroup:
             self._reduce = (dist.reduce_scatter_single(out, buf.view(-1), group=self.shard_group, async_op=True), out)
         self.needs_reduce = False
 
-    def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter and accumulate into the sharded ``.grad``s."""
+    def finish_reduce(self, assign: bool = True) -> None:
+        """Wait for the reduce-scatter and accumulate into the sharded ``.grad``s of the
+        parameters that had a gradient (``assign=False``: wait and discard)."""
         if self._reduce is None:
             return
         work, out = self._reduce
         self._reduce = None
         if work is not None:
             work.wait()
+        if not assign:
+            return
         out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
         out = out.div_(self.dp_size)
-        for p in self.params:
-            if not p.requires_grad:
-                continue
+        for p in self._reduced:
             g = out[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
             g = g.to(p.sharded.device, p.sharded.dtype, non_blocking=True)
             if p.sharded.grad is None:

@@ -47,6 +47,24 @@ class _Context:
         if group.reshard_after_backward:
             group.reshard()
 
+    def recover(self) -> None:
+        """Clean up after a backward that raised (its end-of-backward callback never ran):
+        finish and discard in-flight collectives, drop partial unsharded gradients,
+        reshard, and reset every per-backward flag. Called by the root's next forward."""
+        for s in self.states:
+            g = s.group
+            if g is not None:
+                g.wait_unshard()
+                g.finish_reduce(assign=False)
+                for p in g.params:
+                    if p.unsharded is not None:
+                        p.unsharded.grad = None
+                g.needs_reduce, g.grads_ready = False, 0
+                g.reshard()
+            s.in_backward = False
+        self.in_flight = None
+        self.callback_queued = False
+
     def queue_final_callback(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
@@ -92,6 +110,8 @@ class FSDPState:
         if self.ctx is None:
             self._lazy_init()
         ctx = self.ctx
+        if self.is_root and (ctx.callback_queued or any(s.in_backward for s in ctx.states)):
+            ctx.recover()  # the previous backward raised before its callback could run
         if ctx.recording:
             ctx.order.append(self)
         if self.group is not None:
@@ -107,8 +127,10 @@ class FSDPState:
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
-        # Without autograd no backward will reshard: do it now (the root included), or an
-        # optimizer step before the next forward would leave stale unsharded weights.
+        # With autograd off no backward will reshard: do it now (the root included), or an
+        # optimizer step before the next forward would leave stale unsharded weights. (A
+        # grad-enabled forward never followed by backward leaves the root unsharded; its
+        # next unshard re-gathers if the shards changed meanwhile, see unshard.)
         reshard = self.group is not None and not self.in_backward and \
             (self.group.reshard_after_forward or not torch.is_grad_enabled())
         if reshard:

@@ -172,7 +172,7 @@ def tp_input(x: torch.Tensor, *, group: Group) -> torch.Tensor:
     """
     if C.group_size(group) == 1 or not torch.is_floating_point(x):
         return x
-    key = (id(group), torch.is_grad_enabled(), _version(x))
+    key = (id(group), torch.is_grad_enabled(), x.requires_grad, _version(x))
     out = _cached(x, "_fsdp2d_tp_input", key)
     if out is not None:
         return out
@@ -191,7 +191,7 @@ def gather_cached(x: torch.Tensor, dim: int, *, group: Group) -> torch.Tensor:
     reading the same sequence shard)."""
     if C.group_size(group) == 1:
         return x
-    key = (id(group), dim, torch.is_grad_enabled(), _version(x))
+    key = (id(group), dim, torch.is_grad_enabled(), x.requires_grad, _version(x))
     out = _cached(x, "_fsdp2d_gather", key)
     if out is not None:
         return out

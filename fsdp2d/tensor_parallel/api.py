@@ -9,6 +9,7 @@ any module changes, so a bad plan leaves the model untouched.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from fnmatch import fnmatchcase
 from typing import Mapping
@@ -113,7 +114,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         for pname in getattr(mod, "_fsdp2d_tp", {}):
             raise ValueError(f"parallelize_module: parameter {fqn}.{pname} is already tensor-parallel")
     for fqn, mod, style in targets:
-        if src_data_rank != 0:
-            style.src_data_rank = src_data_rank
+        style = copy.copy(style)  # never change the caller's (possibly shared) style object
+        style.src_data_rank = src_data_rank
         style.apply(mod, fqn, device_mesh)
     return module

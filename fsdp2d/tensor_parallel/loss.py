@@ -40,7 +40,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, ignore_index):
-        x = logits.float()
+        x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         row_max = x.max(dim=-1).values
         row_max = C.all_reduce(row_max, group, dist.ReduceOp.MAX)
         shifted = x - row_max.unsqueeze(-1)  # (N, V/k)
@@ -48,7 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = target - vocab_start
         mine = (local_t >= 0) & (local_t < x.shape[-1]) & (target != ignore_index)
         picked = shifted.gather(-1, local_t.clamp(0, max(x.shape[-1] - 1, 0)).unsqueeze(-1)).squeeze(-1)
-        stats = torch.stack([exp.sum(-1), torch.where(mine, picked, 0.0)])  # (2, N) one reduce
+        stats = torch.stack([exp.sum(-1), torch.where(mine, picked, torch.zeros_like(picked))])  # (2, N)
         stats = C.all_reduce(stats, group)
         loss = stats[0].log() - stats[1]
         valid = target != ignore_index

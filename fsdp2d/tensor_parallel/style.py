@@ -61,6 +61,15 @@ def redistribute(x: Any, src: Placement | None, dst: Placement | None, group: C.
     if src is None or dst is None or not isinstance(x, torch.Tensor) or src == dst:
         return x
     dim = lambda p: p.dim % x.ndim  # noqa: E731
+    k = C.group_size(group)
+    # A sequence-style shard (any dim but the last, the feature dim) is gathered again
+    # later without size information, so it must split evenly; feature dims may not.
+    if isinstance(dst, Shard) and not isinstance(src, Shard) and dim(dst) != x.ndim - 1 and x.shape[dim(dst)] % k:
+        raise ValueError(
+            f"cannot shard an activation of shape {tuple(x.shape)} along dim {dim(dst)} over {k} TP ranks: "
+            f"{x.shape[dim(dst)]} is not divisible by {k}. Sequence parallel needs a sequence length "
+            f"divisible by the TP degree (pad the batch or change tp)"
+        )
     if isinstance(src, Shard) and isinstance(dst, Replicate):
         return T.gather_cached(x, dim(src), group=group)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
@@ -202,8 +211,9 @@ class SequenceParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def validate(self, module: nn.Module, fqn: str) -> None:
-        if next(module.parameters(recurse=False), None) is None and not list(module.children()):
-            raise TypeError(f"SequenceParallel on {fqn or '<root>'!r}: module has no parameters to replicate")
+        if next(module.parameters(recurse=False), None) is None:
+            raise TypeError(f"SequenceParallel on {fqn or '<root>'!r}: the module has no parameters of its own "
+                            f"(it applies to leaf modules such as norms); match the norm modules instead")
 
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
         names = [n for n, _ in module.named_parameters(recurse=False)]
