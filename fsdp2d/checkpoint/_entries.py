@@ -68,11 +68,37 @@ def model_entries(model: nn.Module) -> list[Entry]:
     return entries
 
 
-def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer,
-                      pending: dict | None = None) -> list[Entry]:
-    """Optimizer state entries. With ``pending`` (loading), a parameter without state
-    (torch optimizers create it lazily) gets fresh AdamW-style tensors to fill, kept in
-    ``pending[param]`` and installed only when the whole load succeeds."""
+def materialize_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Create the state torch optimizers make lazily, for parameters that have none, so a
+    load has tensors to fill: one step on zero gradients at lr=0 (parameters unchanged,
+    since every update and weight decay is scaled by lr). Returns those parameters, so a
+    failed load can drop their state again."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    created = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
+    if not created:
+        return []
+    grads = {p: p.grad for p in params}
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    new = {id(p) for p in created}  # identity: `in` on tensors would compare values
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p) if id(p) in new else None
+        for g in optimizer.param_groups:
+            if "lr" in g:
+                g["lr"] = 0.0
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = lr
+        for p, grad in grads.items():
+            p.grad = grad
+    return created
+
+
+def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Entry]:
+    """Optimizer state entries (parameters without state are skipped: see
+    :func:`materialize_state`)."""
     layouts = _layouts(model)
     fqn_of = {id(p): fqn for fqn, p in _named_params(model).items()}
     entries = []
@@ -84,9 +110,7 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer,
                                  "optimizer from model.parameters() after parallelize_module/fully_shard")
             state = optimizer.state.get(p)
             if not state:
-                if pending is None:
-                    continue
-                state = pending[p] = _fresh_adam_state(p)
+                continue
             lay, groups = layouts.get(fqn, (None, {}))
             for key, value in sorted(state.items()):
                 if not isinstance(value, torch.Tensor):
@@ -97,11 +121,6 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer,
                 else:
                     entries.append(Entry(f"optim/{fqn}/{key}", value, None, tuple(value.shape)))
     return entries
-
-
-def _fresh_adam_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
-            "exp_avg_sq": torch.zeros_like(p)}
 
 
 def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict]:

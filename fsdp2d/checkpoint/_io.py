@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from ..placement import Box
-from ._entries import Entry, model_entries, optimizer_entries, optimizer_hparams
+from ._entries import Entry, materialize_state, model_entries, optimizer_entries, optimizer_hparams
 
 INDEX = "fsdp2d.index.json"
 FORMAT, VERSION = "fsdp2d", 1
@@ -306,11 +306,13 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     optimizer untouched. Returns the ``extra`` dict given to :func:`save`.
     """
     path = Path(path)
-    pending: dict = {}
+    created: list = []
     entries, staged, error = [], {}, None
     try:
         index = read_index(path)
-        entries = model_entries(model) + (optimizer_entries(model, optimizer, pending) if optimizer else [])
+        if optimizer is not None:
+            created = materialize_state(optimizer)
+        entries = model_entries(model) + (optimizer_entries(model, optimizer) if optimizer else [])
         _check_names(index, entries, path, optimizer is not None)
         files = _Files(path, index)
         for e in entries:
@@ -328,13 +330,13 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         error = CheckpointError(f"loading {path} failed: {exc!r}")
         error.__cause__ = exc
     if not _agree(error is None):
+        for p in created:  # leave the optimizer as it was
+            optimizer.state.pop(p, None)
         raise error or CheckpointError(f"loading {path} failed on another rank; nothing was changed")
     with torch.no_grad():
         for e in entries:
             e.tensor.copy_(staged[e.name])
     if optimizer is not None:
-        for p, state in pending.items():
-            optimizer.state[p] = state
         for group, hp in zip(optimizer.param_groups, index.get("optim_hparams") or []):
             group.update({k: tuple(v) if isinstance(v, list) else v for k, v in hp.items()})
     return index["extra"]

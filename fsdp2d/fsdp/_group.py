@@ -240,6 +240,18 @@ class FSDPParamGroup:
         if self.grads_ready == self.num_trainable:
             self.ctx.post_backward(self)
 
+    def accumulate_unsynced(self) -> None:
+        """Without gradient sync, move this backward's unsharded gradients into
+        accumulators in ``reduce_dtype`` (bf16 gradients summed over many microbatches in
+        bf16 would lose precision); the synced backward adds them back before reducing."""
+        if self.reduce_dtype == self.param_dtype:
+            return  # accumulating in .grad is already in the reduce dtype
+        for p in self.params:
+            g = p.unsharded.grad
+            if g is not None:
+                p.acc_grad = g.to(self.reduce_dtype) if p.acc_grad is None else p.acc_grad.add_(g)
+                p.unsharded.grad = None
+
     def reduce_grads(self) -> None:
         """Launch the (async) reduce-scatter of the unsharded gradients, if syncing."""
         if not self.needs_reduce or not self.requires_sync:
@@ -248,6 +260,9 @@ class FSDPParamGroup:
         self._reduced = []
         for p in self.params:
             g = p.unsharded.grad
+            if p.acc_grad is not None:  # microbatches accumulated without sync
+                g = p.acc_grad if g is None else p.acc_grad.add_(g)
+                p.acc_grad = None
             if g is None:  # zeros keep the collective identical on every rank
                 buf[:, p.offset:p.offset + p.segment_numel].zero_()
             else:

@@ -53,6 +53,7 @@ class FSDPParam:
         self.store_offset = 0  # in this parameter's dtype's flat storage
         self.axis_groups: dict = {}  # mesh axis name -> process group, for every layout axis
         self.unsharded: nn.Parameter | None = None
+        self.acc_grad: torch.Tensor | None = None  # no-sync accumulation in reduce_dtype
 
     @property
     def even(self) -> bool:

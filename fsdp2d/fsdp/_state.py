@@ -44,6 +44,8 @@ class _Context:
                 self.in_flight.finish_reduce()  # keep one reduce-scatter in flight
             group.reduce_grads()
             self.in_flight = group
+        elif not group.requires_sync:
+            group.accumulate_unsynced()
         if group.reshard_after_backward:
             group.reshard()
 

@@ -194,3 +194,34 @@ def test_sharded_export_round_trips(tmp_path):
     model = K.build_stack(SPEC, seed=4)
     ckpt.load(tmp_path / "hf", model)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
+
+
+def test_optimizer_state_of_any_optimizer_round_trips(tmp_path):
+    """SGD with momentum (state key 'momentum_buffer', not Adam's) saves and loads into a
+    fresh optimizer; the loaded run continues exactly like the original. A failed load
+    leaves a fresh optimizer without state."""
+    from fsdp2d import checkpoint as ckpt
+
+    def run(model, opt, steps):
+        for step in steps:
+            torch.manual_seed(step)
+            model(torch.randint(0, 7, (4,))).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model = K.build_stack(SPEC, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    run(model, opt, range(3))
+    ckpt.save(tmp_path / "c", model, opt)
+    run(model, opt, range(3, 5))
+    model2 = K.build_stack(SPEC, seed=1)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    ckpt.load(tmp_path / "c", model2, opt2)
+    run(model2, opt2, range(3, 5))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    ckpt.save(tmp_path / "no_optim", model)
+    model3 = K.build_stack(SPEC, seed=2)
+    opt3 = torch.optim.SGD(model3.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ckpt.CheckpointError, match="no optimizer state"):
+        ckpt.load(tmp_path / "no_optim", model3, opt3)
+    assert len(opt3.state) == 0

@@ -179,3 +179,29 @@ def test_checkpoint_error_paths_do_not_hang(pool, tmp_path):
         assert r["save_fail"] is not None and r["save_fail"][0] == "CheckpointError", r
         assert "cannot create" in r["save_fail"][1], r
         assert r["load_fail"] is not None and r["load_fail"][0] == "CheckpointError", r
+
+
+def job_bf16_accumulation() -> float:
+    """bf16 params, fp32 reduce: 8 microbatches without sync must equal syncing every
+    microbatch (each reduced in fp32, summed in fp32 .grad) up to fp32 rounding; bf16
+    accumulation of the unsharded gradients would be off by ~1e-3 relative."""
+    torch.set_num_threads(1)
+    mp = fsdp2d.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    base = Toy()
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    for m in models:
+        fsdp2d.fully_shard(m, mesh=_dp4(), mp_policy=mp)
+    xs = torch.randn(8, 4, 8)
+    accumulated, synced = models
+    for i, x in enumerate(xs):
+        accumulated.set_requires_gradient_sync(i == len(xs) - 1)
+        accumulated(x).square().sum().backward()
+        synced(x).square().sum().backward()
+    a, b = _full(accumulated, "grad"), _full(synced, "grad")
+    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in a if "unused" not in k)
+
+
+def test_no_sync_accumulation_in_reduce_dtype(pool):
+    for err in pool.run(job_bf16_accumulation):
+        assert err < 1e-5, err
