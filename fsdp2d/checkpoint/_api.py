@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -88,40 +89,46 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, max_shard_bytes: 
     ``model.safetensors.index.json`` when larger than ``max_shard_bytes``), keys = module
     fqns, loadable with ``safetensors.torch.load_file`` into the unparallelized model.
     ``out`` also gets an fsdp2d index (one box per tensor), so ``load`` reads it too.
-    Offline: one process, no process group."""
+    Offline, one process, no process group. Streams: the file split is planned from the
+    index, then each file's tensors are assembled, written and freed before the next, so
+    memory peaks at about two output files, not the whole model."""
     root, out = Path(ckpt), Path(out)
     index = read_index(root)
     files = _Files(root, index)
     names = sorted(n for n in index["tensors"] if n.startswith("model/"))
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    plan: list[list[str]] = [[]]
     size = 0
     for name in names:
         meta = index["tensors"][name]
-        shape = tuple(meta["shape"])
-        dtype = getattr(torch, meta["dtype"])
-        full = read_box(files, meta, name, Box((0,) * len(shape), shape), dtype)
-        nbytes = full.numel() * full.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+        nbytes = math.prod(meta["shape"]) * getattr(torch, meta["dtype"]).itemsize
+        if plan[-1] and size + nbytes > max_shard_bytes:
+            plan.append([])
             size = 0
-        shards[-1][name.removeprefix("model/")] = full
+        plan[-1].append(name)
         size += nbytes
     out.mkdir(parents=True, exist_ok=True)
-    n = len(shards)
+    n = len(plan)
     fnames = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    tensors, file_meta = {}, {}
-    for fname, shard in zip(fnames, shards):
+    tensors, file_meta, weight_map, total = {}, {}, {}, 0
+    for fname, group in zip(fnames, plan):
+        shard = {}
+        for name in group:
+            meta = index["tensors"][name]
+            shape = tuple(meta["shape"])
+            full = read_box(files, meta, name, Box((0,) * len(shape), shape), getattr(torch, meta["dtype"]))
+            key = name.removeprefix("model/")
+            shard[key] = full
+            weight_map[key] = fname
+            total += full.numel() * full.element_size()
+            tensors[name] = {"dtype": meta["dtype"], "shape": list(shape),
+                             "boxes": [{"offset": [0] * len(shape), "shape": list(shape), "file": fname,
+                                        "key": key, "sha256": _digest(full)}]}
         data = st_save(shard)
+        del shard
         _fsync_write(out / fname, data)
-
         file_meta[fname] = {"size": len(data)}
-        for key, t in shard.items():
-            tensors[f"model/{key}"] = {"dtype": index["tensors"][f"model/{key}"]["dtype"], "shape": list(t.shape),
-                                       "boxes": [{"offset": [0] * t.ndim, "shape": list(t.shape),
-                                                  "file": fname, "key": key, "sha256": _digest(t)}]}
+        del data
     if n > 1:
-        weight_map = {k: f for f, shard in zip(fnames, shards) for k in shard}
-        total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
         _fsync_write(out / "model.safetensors.index.json",
                      json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode())
     fsdp_index = {"format": FORMAT, "version": VERSION, "world_size": 1, "mesh": {"axes": [], "shape": []},
