@@ -49,7 +49,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     grads = [(p, p.grad) for p in params if p.grad is not None]
     norm_type = float(norm_type)
     world = _world()
-    device = grads[0][1].device if grads else torch.device("cpu")
+    # A rank without gradients still joins the all-reduce, on the parameters' device.
+    device = grads[0][1].device if grads else (params[0].device if params else torch.device("cpu"))
     if norm_type == math.inf:
         local = max((g.detach().abs().max().float() for _, g in grads if g.numel()), default=torch.zeros((), device=device))
         total = local.clone().reshape(1)

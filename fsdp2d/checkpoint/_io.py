@@ -64,7 +64,8 @@ def _agree(ok: bool) -> bool:
     """True only if every rank says ok (collective)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return ok
-    flag = torch.tensor([0 if ok else 1])
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
+    flag = torch.tensor([0 if ok else 1], device=device)
     dist.all_reduce(flag)
     return flag.item() == 0
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _collectives as C
 from ._param import FSDPParam
@@ -56,6 +57,18 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
+_OPTIMIZER_STEPS = [0]
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+# Fused optimizers update parameters without bumping their version counters, so every
+# torch optimizer step is counted too: an unsharded copy gathered before a step is stale.
+register_optimizer_step_post_hook(_count_step)
+
+
 class FSDPParamGroup:
     def __init__(self, params: list[FSDPParam], shard_group: C.Group, replicate_group: C.Group | None,
                  mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str) -> None:
@@ -86,8 +99,7 @@ class FSDPParamGroup:
         self._reduce: tuple[Any, torch.Tensor] | None = None
         self.grads_ready = 0
         self.num_trainable = 0  # set by _sync_requires_grad
-        self._reduced: list[FSDPParam] = []  # parameters in the reduce-scatter in flight
-        self._gathered_versions: list[int] = []  # shard version counters at the last gather
+        self._gathered_versions: tuple = ()  # _shard_versions() at the last gather
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
         self.compute_device = params[0].sharded.device if params else torch.device("cpu")
@@ -115,6 +127,7 @@ class FSDPParamGroup:
             self.flats = {d: f.pin_memory() for d, f in self.flats.items()}
         for p in self.params:
             current = p.module._parameters[p.name]
+            p.requires_grad = current.requires_grad
             flat = self.flats[current.dtype]
             view = flat[p.store_offset:p.store_offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
             with torch.no_grad():
@@ -127,8 +140,8 @@ class FSDPParamGroup:
             else:
                 p.sharded = torch.nn.Parameter(view, requires_grad=p.requires_grad)
             p.sharded._fsdp2d_layout = p.layout  # the 2D layout, read by clip_grad_norm_
+            p.expected_ptr = p.sharded.data_ptr()
             p.register("sharded")
-            p.requires_grad = current.requires_grad
             p.make_unsharded(self.param_dtype, device)
         self._sync_requires_grad()
         self.compute_device = device
@@ -154,10 +167,7 @@ class FSDPParamGroup:
             return False
         if current is not p.sharded:
             return True
-        slot = self.flats.get(current.dtype)
-        if slot is None or slot.device != current.device:
-            return True
-        return current.numel() > 0 and current.data_ptr() != slot[p.store_offset:].data_ptr()
+        return current.data_ptr() != p.expected_ptr or current.dtype not in self.flats
 
     def _send_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's all-gather input in ``dtype``: the flat buffer itself when it has
@@ -188,8 +198,10 @@ class FSDPParamGroup:
             self._sync_requires_grad()
 
     # -- all-gather ------------------------------------------------------------------
-    def _shard_versions(self) -> list[int]:
-        return [p.sharded._version for p in self.params]
+    def _shard_versions(self) -> tuple:
+        """Changes when any shard changes: in-place edits bump the flat buffers' shared
+        version counters; optimizer steps (fused ones included) are counted globally."""
+        return (_OPTIMIZER_STEPS[0], *(f._version for f in self.flats.values()))
 
     def unshard(self, async_op: bool = False) -> None:
         if self.unsharded and self._shard_versions() != self._gathered_versions:
@@ -243,12 +255,12 @@ class FSDPParamGroup:
     def accumulate_unsynced(self) -> None:
         """Without gradient sync, move this backward's unsharded gradients into
         accumulators in ``reduce_dtype`` (bf16 gradients summed over many microbatches in
-        bf16 would lose precision); the synced backward adds them back before reducing."""
-        if self.reduce_dtype == self.param_dtype:
-            return  # accumulating in .grad is already in the reduce dtype
+        bf16 would lose precision); the synced backward adds them back before reducing.
+        ``unsharded.grad`` then only ever holds the current backward's gradient, which is
+        what an aborted backward's recovery drops."""
         for p in self.params:
             g = p.unsharded.grad
-            if g is not None:
+            if g is not None:  # .to() is a no-op reference when the dtypes already match
                 p.acc_grad = g.to(self.reduce_dtype) if p.acc_grad is None else p.acc_grad.add_(g)
                 p.unsharded.grad = None
 
@@ -256,9 +268,12 @@ class FSDPParamGroup:
         """Launch the (async) reduce-scatter of the unsharded gradients, if syncing."""
         if not self.needs_reduce or not self.requires_sync:
             return
-        buf = torch.empty((self.k, self.total), dtype=self.reduce_dtype, device=self.compute_device)
-        self._reduced = []
-        for p in self.params:
+        # One extra column per parameter, 1 in every row where this rank has a gradient:
+        # after the reduce-scatter every rank knows how many ranks had one (a collective
+        # decision, so a parameter used on some ranks only still updates everywhere).
+        n = len(self.params)
+        buf = torch.empty((self.k, self.total + n), dtype=self.reduce_dtype, device=self.compute_device)
+        for i, p in enumerate(self.params):
             g = p.unsharded.grad
             if p.acc_grad is not None:  # microbatches accumulated without sync
                 g = p.acc_grad if g is None else p.acc_grad.add_(g)
@@ -267,13 +282,13 @@ class FSDPParamGroup:
                 buf[:, p.offset:p.offset + p.segment_numel].zero_()
             else:
                 p.copy_grad_out(g, buf)
-                self._reduced.append(p)  # only these get a .grad (others stay None)
+            buf[:, self.total + i] = 0.0 if g is None else 1.0
             p.unsharded.grad = None
         self.counts["reduce_scatter"] += 1
         if self.k == 1:
             self._reduce = (None, buf.view(-1))
         else:
-            out = buf.new_empty(self.total)
+            out = buf.new_empty(self.total + n)
             self._reduce = (dist.reduce_scatter_single(out, buf.view(-1), group=self.shard_group, async_op=True), out)
         self.needs_reduce = False
 
@@ -290,7 +305,10 @@ class FSDPParamGroup:
             return
         out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
         out = out.div_(self.dp_size)
-        for p in self._reduced:
+        had_grad = out[self.total:].tolist()  # > 0 where any rank had a gradient (all ranks agree)
+        for p, flag in zip(self.params, had_grad):
+            if flag <= 0:
+                continue  # no rank had a gradient: .grad stays None, as in torch
             g = out[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
             g = g.to(p.sharded.device, p.sharded.dtype, non_blocking=True)
             if p.sharded.grad is None:

@@ -54,6 +54,7 @@ class FSDPParam:
         self.axis_groups: dict = {}  # mesh axis name -> process group, for every layout axis
         self.unsharded: nn.Parameter | None = None
         self.acc_grad: torch.Tensor | None = None  # no-sync accumulation in reduce_dtype
+        self.expected_ptr = 0  # data_ptr of the sharded view: a change means replaced storage
 
     @property
     def even(self) -> bool:
