@@ -381,7 +381,8 @@ def theory(cfg: Config, dp: int, tp: int, scheme: str = "fsdp2d") -> dict[str, l
     parameter padded to equal rows per rank):
         forward all-gathers:  L + 1 calls, sum_g 4 S_g bytes
         backward all-gathers: L calls (the root is not resharded after forward), sum_blocks 4 S_g
-        reduce-scatters:      L + 1 calls, sum_g 4 S_g bytes
+        reduce-scatters:      L + 1 calls, sum_g 4 S_g bytes; fsdp2d adds one column per
+                              parameter (dp * n_g elements: which ranks had a gradient)
     TP (tp axis), b = batch / dp sequences of T tokens, A = 4 b T C bytes:
         forward all-reduces:  2 per block (attention out-proj, MLP down-proj) + 1 (embedding)
         backward all-reduces: n_in per block + 1 (the LM head's input), where n_in = 2 for
@@ -399,9 +400,10 @@ def theory(cfg: Config, dp: int, tp: int, scheme: str = "fsdp2d") -> dict[str, l
     S_block, S_root = slot(block), slot(root)
     A = FP32 * b * T * C
     n_in = 2 if scheme == "fsdp2d" else (4 if cfg.model == "gpt2" else 5)
+    flags = dp * (L * len(block) + len(root)) if scheme == "fsdp2d" else 0
     return {
         "dp/all_gather": [(L + 1) + L, FP32 * ((L * S_block + S_root) + L * S_block)],
-        "dp/reduce_scatter": [L + 1, FP32 * (L * S_block + S_root)],
+        "dp/reduce_scatter": [L + 1, FP32 * (L * S_block + S_root + flags)],
         "tp/all_reduce": [(2 * L + 1) + (n_in * L + 1), A * ((2 * L + 1) + (n_in * L + 1))],
         "tp/all_gather": [1, FP32 * b * T * V],
     }
