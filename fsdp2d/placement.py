@@ -149,6 +149,7 @@ class Layout:
     coordinate: tuple[int, ...]
     split_order: tuple[int, ...] | None = None
     _box: Box = field(init=False, repr=False, compare=False)
+    _pieces: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -171,7 +172,9 @@ class Layout:
         if sorted(order) != list(range(n)):
             raise ValueError(f"split_order {order} must be a permutation of the mesh axes 0..{n - 1}")
         set_("split_order", order)
-        set_("_box", self._compute_box())
+        box, pieces = self._split()
+        set_("_box", box)
+        set_("_pieces", pieces)
 
     def _normalise(self, p: Placement) -> Placement:
         if not isinstance(p, Placement):
@@ -183,16 +186,20 @@ class Layout:
             return Shard(p.dim % ndim)
         return p
 
-    def _compute_box(self) -> Box:
+    def _split(self) -> tuple[Box, tuple[tuple[int, ...], ...]]:
+        """Apply the splits in ``split_order``: this rank's box, and for every mesh axis
+        the shape of the piece that axis's split divides."""
         offset = [0] * len(self.global_shape)
         shape = list(self.global_shape)
+        pieces: list[tuple[int, ...]] = [()] * len(self.mesh_shape)
         for axis in self.split_order:
+            pieces[axis] = tuple(shape)
             p = self.placements[axis]
             if isinstance(p, Shard):
                 start, length = chunk_range(shape[p.dim], self.mesh_shape[axis], self.coordinate[axis])
                 offset[p.dim] += start
                 shape[p.dim] = length
-        return Box(tuple(offset), tuple(shape))
+        return Box(tuple(offset), tuple(shape)), tuple(pieces)
 
     # -- the box of this rank ------------------------------------------------------
     @property
@@ -206,6 +213,11 @@ class Layout:
     @property
     def local_shape(self) -> tuple[int, ...]:
         return self._box.local_shape
+
+    def piece_before(self, axis: int) -> tuple[int, ...]:
+        """Shape of the piece that mesh axis ``axis`` splits (the global shape for the
+        first axis in ``split_order``; gathering over ``axis`` restores this shape)."""
+        return self._pieces[axis]
 
     # -- other ranks -----------------------------------------------------------------
     def at(self, coordinate: Sequence[int]) -> "Layout":

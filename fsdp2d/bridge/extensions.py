@@ -51,22 +51,9 @@ class LocalShard:
                              f"{self.layout.local_shape}")
 
 
-def _pieces_before(layout: Layout) -> dict[int, tuple[int, ...]]:
-    """For each mesh axis, the shape of the piece that axis's split divides."""
-    shape = list(layout.global_shape)
-    before: dict[int, tuple[int, ...]] = {}
-    for axis in layout.split_order:
-        before[axis] = tuple(shape)
-        p = layout.placements[axis]
-        if isinstance(p, Shard):
-            shape[p.dim] = chunk_range(shape[p.dim], layout.mesh_shape[axis], layout.coordinate[axis])[1]
-    return before
-
-
 def gather_axes(local: torch.Tensor, layout: Layout, mesh: DeviceMesh, axes: list[str]) -> tuple[torch.Tensor, Layout]:
     """Undo the splits of the named ``axes`` (which must come last in the split order):
     all-gather Shard axes, all-reduce Partial ones. Returns the bigger piece and its layout."""
-    before = _pieces_before(layout)
     idx = [layout.axis(a) for a in axes]
     tail = list(layout.split_order[len(layout.split_order) - len(idx):])
     if sorted(tail) != sorted(idx):
@@ -78,7 +65,7 @@ def gather_axes(local: torch.Tensor, layout: Layout, mesh: DeviceMesh, axes: lis
             continue
         p, group = layout.placements[axis], mesh.get_group(layout.axis_names[axis])
         if isinstance(p, Shard):
-            x = C.all_gather(x, p.dim, group, global_size=before[axis][p.dim])
+            x = C.all_gather(x, p.dim, group, global_size=layout.piece_before(axis)[p.dim])
         elif isinstance(p, Partial):
             x = C.all_reduce(x.clone(), group)
         placements[axis] = Replicate()

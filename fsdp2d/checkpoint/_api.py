@@ -17,7 +17,7 @@ from safetensors.torch import save as st_save
 from ..bridge import LocalShard, gather_full
 from ..placement import Box
 from ._entries import model_entries
-from ._io import FORMAT, INDEX, VERSION, _digest, _Files, _fsync_write, read_box, read_index, save
+from ._io import INDEX, _digest, _Files, _fsync_write, _index_document, read_box, read_index, save
 
 __all__ = ["get_model_state_dict", "CheckpointManager", "export", "inspect"]
 
@@ -131,8 +131,8 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, max_shard_bytes: 
     if n > 1:
         _fsync_write(out / "model.safetensors.index.json",
                      json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode())
-    fsdp_index = {"format": FORMAT, "version": VERSION, "world_size": 1, "mesh": {"axes": [], "shape": []},
-                  "extra": index.get("extra", {}), "optim_hparams": None, "files": file_meta, "tensors": tensors}
+    fsdp_index = _index_document(files=file_meta, tensors=tensors, world_size=1, mesh={"axes": [], "shape": []},
+                                 extra=index.get("extra", {}), optim_hparams=None)
     _fsync_write(out / INDEX, json.dumps(fsdp_index, indent=1).encode())
     return [out / f for f in fnames]
 

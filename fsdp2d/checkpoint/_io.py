@@ -60,14 +60,11 @@ def _all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def _agree(ok: bool) -> bool:
-    """True only if every rank says ok (collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ok
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
-    flag = torch.tensor([0 if ok else 1], device=device)
-    dist.all_reduce(flag)
-    return flag.item() == 0
+def _errors_everywhere(error: str) -> list[str]:
+    """Every rank's error message (empty ones dropped), on every rank. Each step that can
+    fail ends with this collective, so one failing rank makes all ranks raise together
+    instead of leaving its peers waiting in the next collective."""
+    return [e for e in _all_gather_objects(error) if e]
 
 
 def _key(e: Entry) -> str:
@@ -109,54 +106,74 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     meta = [(_key(e), e.name, _dtype_name(e.tensor.dtype), e.global_shape, e.box.global_offset,
              e.box.local_shape) for e in entries]
     all_meta = _all_gather_objects(meta)
-    writer: dict[str, int] = {}
-    for r, rows in enumerate(all_meta):
-        for key, *_, shape in rows:
-            if key not in writer and all(shape):  # lowest rank holding a non-empty box
-                writer[key] = r
+    writer = _assign_writers(all_meta)
     tmp = path.parent / f".{path.name}.tmp-{_shared_nonce()}"
     error = ""
     if rank == 0:
         try:
             tmp.mkdir(parents=True)
-        except Exception as exc:  # every rank learns it through the same collective
+        except Exception as exc:
             error = f"rank 0: cannot create {tmp}: {exc!r}"
-    errors = [e for e in _all_gather_objects(error) if e]
-    if errors:
-        raise CheckpointError(f"save to {path} failed, previous checkpoint kept: {'; '.join(errors)}")
-    file_info = None
+    _fail_together(path, _errors_everywhere(error))
+    file_info, error = None, ""
     try:
-        mine = {_key(e): e.tensor.detach().contiguous().cpu() for e in entries if writer.get(_key(e)) == rank}
-        if mine:
-            data = st_save(mine)
-            fname = f"rank{rank:05d}.safetensors"
-            _write_file(tmp / fname, data)
-            file_info = (fname, len(data), {k: _digest(t) for k, t in mine.items()})
-    except Exception as exc:  # every rank aborts together below
+        file_info = _write_rank_file(tmp, rank, {_key(e): e for e in entries if writer.get(_key(e)) == rank})
+    except Exception as exc:
         error = f"rank {rank}: {exc!r}"
     infos = _all_gather_objects((file_info, error))
-    if any(e for _, e in infos):
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"save to {path} failed, previous checkpoint kept: "
-                              + "; ".join(e for _, e in infos if e))
+    _fail_together(path, [e for _, e in infos if e], tmp if rank == 0 else None)
+    error = ""
     if rank == 0:
         try:
-            files = {i[0]: {"size": i[1]} for i, _ in infos if i is not None}
-            digests = {k: d for i, _ in infos if i is not None for k, d in i[2].items()}
-            index = {"format": FORMAT, "version": VERSION, "world_size": len(all_meta),
-                     "mesh": _mesh_meta(entries), "extra": extra or {},
-                     "optim_hparams": optimizer_hparams(optimizer) if optimizer else None,
-                     "files": files, "tensors": _tensor_index(all_meta, writer, digests)}
+            written = [i for i, _ in infos if i is not None]
+            index = _index_document(
+                files={name: {"size": size} for name, size, _ in written},
+                tensors=_tensor_index(all_meta, writer, {k: d for *_, ds in written for k, d in ds.items()}),
+                world_size=len(all_meta), mesh=_mesh_meta(entries), extra=extra or {},
+                optim_hparams=optimizer_hparams(optimizer) if optimizer else None)
             _fsync_write(tmp / INDEX, json.dumps(index, indent=1).encode())
             _fsync_dir(tmp)
             _commit(tmp, path)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"rank 0: committing {path}: {exc!r}"
-    errors = [e for e in _all_gather_objects(error) if e]
+    _fail_together(path, _errors_everywhere(error))
+
+
+def _assign_writers(all_meta: list[list]) -> dict[str, int]:
+    """Each distinct non-empty box is written by the lowest rank holding it (replicas once)."""
+    writer: dict[str, int] = {}
+    for r, rows in enumerate(all_meta):
+        for key, *_, shape in rows:
+            if key not in writer and all(shape):
+                writer[key] = r
+    return writer
+
+
+def _write_rank_file(tmp: Path, rank: int, mine: dict[str, Entry]) -> tuple | None:
+    """Write this rank's boxes as one safetensors file; (file name, size, {key: sha256})."""
+    if not mine:
+        return None
+    tensors = {k: e.tensor.detach().contiguous().cpu() for k, e in mine.items()}
+    data = st_save(tensors)
+    fname = f"rank{rank:05d}.safetensors"
+    _write_file(tmp / fname, data)
+    return fname, len(data), {k: _digest(t) for k, t in tensors.items()}
+
+
+def _fail_together(path: Path, errors: list[str], cleanup: Path | None = None) -> None:
+    """Raise on every rank when any rank failed (``errors`` gathered collectively)."""
     if errors:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
         raise CheckpointError(f"save to {path} failed, previous checkpoint kept: {'; '.join(errors)}")
+
+
+def _index_document(*, files: dict, tensors: dict, world_size: int, mesh: dict, extra: dict,
+                    optim_hparams: list | None) -> dict:
+    """The ``fsdp2d.index.json`` document (see the module docstring)."""
+    return {"format": FORMAT, "version": VERSION, "world_size": world_size, "mesh": mesh, "extra": extra,
+            "optim_hparams": optim_hparams, "files": files, "tensors": tensors}
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -327,13 +344,15 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             staged[e.name] = read_box(files, meta, e.name, e.box, e.tensor.dtype)
     except CheckpointError as exc:
         error = exc
-    except Exception as exc:  # any failure must reach the agreement below, or peers hang
+    except Exception as exc:  # any failure must reach the collective below, or peers hang
         error = CheckpointError(f"loading {path} failed: {exc!r}")
         error.__cause__ = exc
-    if not _agree(error is None):
+    errors = _errors_everywhere(str(error) if error is not None else "")
+    if errors:
         for p in created:  # leave the optimizer as it was
             optimizer.state.pop(p, None)
-        raise error or CheckpointError(f"loading {path} failed on another rank; nothing was changed")
+        raise error or CheckpointError(f"loading {path} failed on another rank, nothing was changed: "
+                                       f"{'; '.join(errors)}")
     with torch.no_grad():
         for e in entries:
             e.tensor.copy_(staged[e.name])

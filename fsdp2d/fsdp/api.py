@@ -166,20 +166,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type == "cpu":
         warnings.warn("CPUOffloadPolicy on a CPU mesh: shards already live on the CPU; nothing to offload",
                       stacklevel=2)
-    params = []
-    for fqn, owner, name in _managed(module):
-        tp = getattr(owner, "_fsdp2d_tp", {}).get(name)
-        if tp is not None and set(tp.mesh.mesh_dim_names) & set(mesh.mesh_dim_names):
-            axis = sorted(set(tp.mesh.mesh_dim_names) & set(mesh.mesh_dim_names))[0]
-            raise ValueError(
-                f"fully_shard: mesh axis {axis!r} is the tensor-parallel axis of parameter {fqn!r}; "
-                f"shard over the data axis only, e.g. fully_shard(module, mesh=mesh['dp'])"
-            )
-        param = FSDPParam(owner, name, fqn, tp, mesh.shape, mesh.mesh_dim_names, mesh.get_coordinate())
-        param.axis_groups = {n: mesh.get_group(n) for n in mesh.mesh_dim_names}
-        if tp is not None:
-            param.axis_groups.update({n: tp.mesh.get_group(n) for n in tp.mesh.mesh_dim_names})
-        params.append(param)
+    params = _fsdp_params_of(module, mesh)
     _check_no_shared(params)
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     group = FSDPParamGroup(params, mesh.get_group(mesh.ndim - 1), replicate, mp_policy, offload_policy,
@@ -194,6 +181,26 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     module.register_forward_hook(state.post_forward)
     module.__class__ = _fsdp_class(type(module))
     return module
+
+
+def _fsdp_params_of(module: nn.Module, mesh: DeviceMesh) -> list[FSDPParam]:
+    """FSDP state for each parameter of ``module`` not managed by an inner fully_shard,
+    with the process group of every axis of its 2D layout."""
+    params = []
+    for fqn, owner, name in _managed(module):
+        tp = getattr(owner, "_fsdp2d_tp", {}).get(name)
+        clash = sorted(set(tp.mesh.mesh_dim_names) & set(mesh.mesh_dim_names)) if tp is not None else []
+        if clash:
+            raise ValueError(
+                f"fully_shard: mesh axis {clash[0]!r} is the tensor-parallel axis of parameter {fqn!r}; "
+                f"shard over the data axis only, e.g. fully_shard(module, mesh=mesh['dp'])"
+            )
+        param = FSDPParam(owner, name, fqn, tp, mesh.shape, mesh.mesh_dim_names, mesh.get_coordinate())
+        param.axis_groups = {n: mesh.get_group(n) for n in mesh.mesh_dim_names}
+        if tp is not None:
+            param.axis_groups.update({n: tp.mesh.get_group(n) for n in tp.mesh.mesh_dim_names})
+        params.append(param)
+    return params
 
 
 def _check_no_shared(params: list[FSDPParam]) -> None:

@@ -43,6 +43,25 @@ def _styles() -> tuple[SimpleNamespace, Any, Any]:
     return tp, Replicate, Shard
 
 
+def _embedding(tp, Replicate, Shard, sp: bool):
+    """Vocab-parallel embedding; under sequence parallel its output is reduce-scattered."""
+    return tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+
+
+def _rowwise(tp, Shard, sp: bool):
+    """Block output projection: all-reduce, or reduce-scatter to the sequence shard."""
+    return tp.RowwiseParallel(output_layouts=Shard(1)) if sp else tp.RowwiseParallel()
+
+
+def _head(tp, Replicate, Shard, sp: bool, loss_parallel: bool):
+    """LM head: gathers the sequence first under sequence parallel; vocab-sharded logits
+    with loss parallel, replicated otherwise."""
+    logits = Shard(-1) if loss_parallel else Replicate()
+    if sp:
+        return tp.ColwiseParallel(input_layouts=Shard(1), output_layouts=logits)
+    return tp.ColwiseParallel(output_layouts=logits)
+
+
 def llama_tp_plan(*, sequence_parallel: bool = False,
                   loss_parallel: bool = False) -> dict[str, ParallelStyle]:
     """TP plan for :class:`fsdp2d.models.llama.Llama` (torchtitan's layout).
@@ -66,12 +85,8 @@ def llama_tp_plan(*, sequence_parallel: bool = False,
     vocab-sharded logits ``Shard(-1)`` ``(B, T, V/tp)`` for a vocab-parallel loss.
     """
     tp, Replicate, Shard = _styles()
-    logits = Shard(-1) if loss_parallel else Replicate()
     sp = sequence_parallel
-    plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": tp.RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()),
-    }
+    plan: dict[str, ParallelStyle] = {"tok_embeddings": _embedding(tp, Replicate, Shard, sp)}
     if sp:
         plan["norm"] = tp.SequenceParallel()
         plan["layers.*.attention_norm"] = tp.SequenceParallel()
@@ -84,10 +99,8 @@ def llama_tp_plan(*, sequence_parallel: bool = False,
                  "feed_forward.w1", "feed_forward.w3"):
         plan[f"layers.*.{name}"] = tp.ColwiseParallel()
     for name in ("attention.wo", "feed_forward.w2"):
-        plan[f"layers.*.{name}"] = (tp.RowwiseParallel(output_layouts=Shard(1)) if sp
-                                    else tp.RowwiseParallel())
-    plan["output"] = (tp.ColwiseParallel(input_layouts=Shard(1), output_layouts=logits)
-                      if sp else tp.ColwiseParallel(output_layouts=logits))
+        plan[f"layers.*.{name}"] = _rowwise(tp, Shard, sp)
+    plan["output"] = _head(tp, Replicate, Shard, sp, loss_parallel)
     return plan
 
 
@@ -113,12 +126,8 @@ def gpt2_tp_plan(*, sequence_parallel: bool = False,
     ``lm_head`` produces ``Replicate`` logits, or ``Shard(-1)`` with ``loss_parallel``.
     """
     tp, Replicate, Shard = _styles()
-    logits = Shard(-1) if loss_parallel else Replicate()
     sp = sequence_parallel
-    plan: dict[str, ParallelStyle] = {
-        "wte": tp.RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()),
-    }
+    plan: dict[str, ParallelStyle] = {"wte": _embedding(tp, Replicate, Shard, sp)}
     if sp:
         plan["wpe"] = tp.PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Shard(0))
@@ -132,8 +141,6 @@ def gpt2_tp_plan(*, sequence_parallel: bool = False,
     for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.c_fc"):
         plan[f"h.*.{name}"] = tp.ColwiseParallel()
     for name in ("attn.c_proj", "mlp.c_proj"):
-        plan[f"h.*.{name}"] = (tp.RowwiseParallel(output_layouts=Shard(1)) if sp
-                               else tp.RowwiseParallel())
-    plan["lm_head"] = (tp.ColwiseParallel(input_layouts=Shard(1), output_layouts=logits)
-                       if sp else tp.ColwiseParallel(output_layouts=logits))
+        plan[f"h.*.{name}"] = _rowwise(tp, Shard, sp)
+    plan["lm_head"] = _head(tp, Replicate, Shard, sp, loss_parallel)
     return plan

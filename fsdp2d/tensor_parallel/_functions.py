@@ -83,15 +83,13 @@ class _ScatterToTP(torch.autograd.Function):
         return C.all_gather(grad, ctx.dim, ctx.group, ctx.global_size), None, None
 
 
-class _ReduceScatterToTP(torch.autograd.Function):
+class _ReduceScatterToTP(_ScatterToTP):
+    """Same backward as ``_ScatterToTP`` (all-gather to the pre-split size)."""
+
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group, ctx.global_size = dim, group, x.shape[dim]
         return C.reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return C.all_gather(grad, ctx.dim, ctx.group, ctx.global_size), None, None
 
 
 class _PartialGradToShard(torch.autograd.Function):
