@@ -70,6 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fsdp2d
+from fsdp2d.debug import CollectiveCounter, nbytes as _nbytes
 from fsdp2d.models import GPT2, GPT2Args, Llama, LlamaArgs, gpt2_tp_plan, llama_tp_plan
 
 FP32 = 4  # bytes per element; every run here is fp32
@@ -200,21 +201,6 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
 
 
-def _nbytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(ts))
-
-
-# op name -> (kind, which argument holds the logical buffer)
-_C10D = {
-    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
-    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
-    "allgather_into_tensor_coalesced_": ("all_gather", 0), "allgather_coalesced_": ("all_gather", 0),
-    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    "broadcast_": ("broadcast", 0), "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
-    "barrier": ("barrier", None), "send": ("send", 0), "recv_": ("recv", 0), "reduce_": ("reduce", 0),
-    "gather_": ("gather", 1), "scatter_": ("scatter", 0),
-}
 _FUNCTIONAL_SKIP = {"wait_tensor", "_wrap_tensor_autograd"}
 
 
@@ -226,6 +212,7 @@ class StepTracker(TorchDispatchMode):
         super().__init__()
         self.axis_of_group = axis_of_group
         self.collectives: dict[str, list[int]] = {}  # "axis/kind" -> [count, bytes]
+        self._c10d = CollectiveCounter()  # decodes c10d ops (not entered itself)
         self._live: dict[int, tuple[weakref.ref, int]] = {}
         self.current = 0
         self.peak = 0
@@ -285,18 +272,14 @@ class StepTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     # -- collectives ----------------------------------------------------------------
-    def _group_of(self, args: tuple) -> str:
-        for a in args:
-            if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("c10d.ProcessGroup"):
-                return self.axis_of_group.get(dist.ProcessGroup.unbox(a).group_name, "other")
-        return "other"
-
     def _count(self, func, args: tuple, kwargs: dict) -> None:
         ns, name = func.namespace, func._schema.name.split("::")[-1]
-        if ns == "c10d":
-            kind, arg = _C10D.get(name, (name, 0))
-            nbytes = 0 if arg is None else _nbytes(args[arg])
-            axis = self._group_of(args)
+        if ns == "c10d":  # fsdp2d's gloo exchanges count as the collective they implement
+            described = self._c10d.describe(func, args)
+            if described is None:
+                return
+            group, kind, nbytes = described
+            axis = "other" if group is None else self.axis_of_group.get(group.group_name, "other")
         elif ns == "_c10d_functional":
             if name in _FUNCTIONAL_SKIP:
                 return

@@ -5,9 +5,27 @@ the obvious local result) when the group has one rank, so world size 1 runs the 
 code path. Sizes along the split dim follow ``torch.chunk`` semantics; when the global
 size is given, uneven chunks are padded to equal size for the collective and trimmed
 after, so callers never see the padding.
+
+**Pairwise exchanges on gloo.** On CPU tensors over a gloo group of 2 to
+``EXCHANGE_MAX_RANKS`` ranks, all-gather, reduce-scatter and the two-rank all-reduce
+run as direct point-to-point exchanges (``isend``/``irecv`` to every peer) instead of
+gloo's collective algorithms. Each rank sends the same bytes as a ring would
+((k-1)/k of the buffer; the whole tensor for a two-rank all-reduce), but the work
+goes straight to gloo's transport thread instead of through the process group's
+worker thread, and a reduction is one local sum per chunk, in group-rank order (so
+every rank computes bit-identical results). Measured on the 2-core benchmark machine
+(4 ranks): a 5.7 MB reduce-scatter takes 5-6 ms instead of 14-15 ms, a two-rank 512 KB
+all-reduce 0.6 ms of CPU instead of 0.9 ms. NCCL and other backends use their native
+collectives. Messages carry the tag ``kind << 24 | sequence number`` (one counter
+per group, advanced by every exchange; all ranks issue collectives in the same
+order), so concurrent exchanges on one group never mix and tools can tell them
+apart (see :data:`EXCHANGE_KINDS`).
 """
 
 from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,11 +47,122 @@ def chunk_sizes(global_size: int, num_chunks: int) -> list[int]:
     return [chunk_range(global_size, num_chunks, i)[1] for i in range(num_chunks)]
 
 
-def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-    """Sum (or ``op``) of ``x`` over the group, in place on a contiguous copy if needed."""
+# -- pairwise exchanges (gloo, CPU) ----------------------------------------------------
+EXCHANGE_MAX_RANKS = 8  # k-1 messages per rank per exchange: beyond this, gloo's ring wins
+EXCHANGE_KINDS = {1: "all_gather", 2: "reduce_scatter", 3: "all_reduce"}  # tag >> 24
+_KIND_CODE = {v: k for k, v in EXCHANGE_KINDS.items()}
+_SEQ: "weakref.WeakKeyDictionary[Group, int]" = weakref.WeakKeyDictionary()  # per group
+
+
+def _use_exchange(group: Group, t: torch.Tensor) -> bool:
+    if t.device.type != "cpu" or not 2 <= group_size(group) <= EXCHANGE_MAX_RANKS:
+        return False
+    try:
+        return dist.get_backend(group) == "gloo"
+    except (ValueError, RuntimeError):  # not a registered group (a fake or custom one)
+        return False
+
+
+def _next_tag(group: Group, kind: str) -> int:
+    seq = _SEQ.get(group, 0)
+    _SEQ[group] = seq + 1
+    return _KIND_CODE[kind] << 24 | seq % (1 << 24)
+
+
+class Exchange:
+    """Handle of a pending pairwise exchange, like the ``Work`` of an async collective:
+    ``wait()`` waits for its messages, then runs the local reduction (if any)."""
+
+    def __init__(self, works: list, finish: Callable[[], None] | None = None) -> None:
+        self._works, self._finish = works, finish
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+
+def _peers(group: Group) -> list[tuple[int, int]]:
+    """(group rank, global rank) of every other rank in the group."""
+    me = group_rank(group)
+    return [(j, dist.get_global_rank(group, j)) for j in range(group_size(group)) if j != me]
+
+
+def _exchange_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Exchange:
+    tag, n, me = _next_tag(group, "all_gather"), inp.numel(), group_rank(group)
+    works = []
+    for j, peer in _peers(group):
+        works.append(dist.isend(inp, peer, group=group, tag=tag))
+        works.append(dist.irecv(out[j * n:(j + 1) * n], peer, group=group, tag=tag))
+    out[me * n:(me + 1) * n].copy_(inp)
+    return Exchange(works)
+
+
+def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Exchange:
+    tag, n, me = _next_tag(group, "reduce_scatter"), out.numel(), group_rank(group)
+    works, parts = [], {me: inp[me * n:(me + 1) * n]}
+    for j, peer in _peers(group):
+        works.append(dist.isend(inp[j * n:(j + 1) * n], peer, group=group, tag=tag))
+        parts[j] = out.new_empty(n)
+        works.append(dist.irecv(parts[j], peer, group=group, tag=tag))
+
+    def finish() -> None:  # sum in group-rank order
+        torch.add(parts[0], parts[1], out=out)
+        for j in range(2, len(parts)):
+            out.add_(parts[j])
+
+    return Exchange(works, finish)
+
+
+def _exchange_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Two ranks: swap the whole tensor, then ``rank0's + rank1's`` on both."""
+    tag, me = _next_tag(group, "all_reduce"), group_rank(group)
+    [(_, peer)] = _peers(group)
+    other = torch.empty_like(x)
+    works = [dist.isend(x, peer, group=group, tag=tag), dist.irecv(other, peer, group=group, tag=tag)]
+    for w in works:
+        w.wait()
+    return x + other if me == 0 else other + x
+
+
+def _run(exchange: Callable, native: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group,
+         async_op: bool) -> Any:
+    if _use_exchange(group, inp):
+        work = exchange(out, inp, group)
+    else:
+        work = native(out, inp, group=group, async_op=True)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Any:
+    """``out`` (k * inp.numel(), flat) = every rank's ``inp`` in group-rank order.
+    With ``async_op`` returns a handle whose ``wait()`` completes it."""
+    return _run(_exchange_all_gather, dist.all_gather_single, out, inp, group, async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Any:
+    """``out`` (flat) = the sum over ranks of chunk ``rank`` of ``inp`` (k * out.numel())."""
+    return _run(_exchange_reduce_scatter, dist.reduce_scatter_single, out, inp, group, async_op)
+
+
+def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM, *,
+               inplace: bool = True) -> torch.Tensor:
+    """Sum (or ``op``) of ``x`` over the group. Use the returned tensor: with ``inplace``
+    it may be ``x`` itself (overwritten) or a new tensor; without, ``x`` is untouched."""
     if group_size(group) == 1:
         return x
     x = x.contiguous()
+    if op == dist.ReduceOp.SUM and group_size(group) == 2 and _use_exchange(group, x):
+        return _exchange_all_reduce(x, group)
+    if not inplace:
+        x = x.clone()
     dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -68,7 +197,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Group, global_size: int | None 
         x = torch.cat([x, x.new_zeros(pad)], dim)
     x = x.contiguous()
     out = x.new_empty((k, *x.shape))
-    dist.all_gather_single(out.view(-1), x.view(-1), group=group)
+    all_gather_into(out.view(-1), x.view(-1), group)
     if dim == 0 and all(s == step for s in sizes):
         return out.view(k * step, *x.shape[1:])
     return torch.cat([out[i].narrow(dim, 0, s) for i, s in enumerate(sizes)], dim)
@@ -98,7 +227,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     out_shape = list(x.shape)
     out_shape[dim] = step
     out = x.new_empty(out_shape)
-    dist.reduce_scatter_single(out.view(-1), inp.reshape(-1), group=group)
+    reduce_scatter_into(out.view(-1), inp.reshape(-1), group)
     mine = sizes[group_rank(group)]
     return out if mine == step else out.narrow(dim, 0, mine).contiguous()
 

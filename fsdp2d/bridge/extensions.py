@@ -67,7 +67,7 @@ def gather_axes(local: torch.Tensor, layout: Layout, mesh: DeviceMesh, axes: lis
         if isinstance(p, Shard):
             x = C.all_gather(x, p.dim, group, global_size=layout.piece_before(axis)[p.dim])
         elif isinstance(p, Partial):
-            x = C.all_reduce(x.clone(), group)
+            x = C.all_reduce(x, group, inplace=False)
         placements[axis] = Replicate()
     return x, Layout(layout.global_shape, layout.mesh_shape, layout.axis_names, tuple(placements),
                      layout.coordinate, layout.split_order)

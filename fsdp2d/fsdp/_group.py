@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _collectives as C
@@ -216,7 +215,7 @@ class FSDPParamGroup:
             self._gather = (None, send)
         else:
             out = send.new_empty(self.k * self.total)
-            self._gather = (dist.all_gather_single(out, send, group=self.shard_group, async_op=True), out)
+            self._gather = (C.all_gather_into(out, send, self.shard_group, async_op=True), out)
         if not async_op:
             self.wait_unshard()
 
@@ -289,7 +288,7 @@ class FSDPParamGroup:
             self._reduce = (None, buf.view(-1))
         else:
             out = buf.new_empty(self.total + n)
-            self._reduce = (dist.reduce_scatter_single(out, buf.view(-1), group=self.shard_group, async_op=True), out)
+            self._reduce = (C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True), out)
         self.needs_reduce = False
 
     def finish_reduce(self, assign: bool = True) -> None:

@@ -51,7 +51,7 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return C.all_reduce(x.clone(), group)
+        return C.all_reduce(x, group, inplace=False)
 
     @staticmethod
     def backward(ctx, grad):

@@ -80,7 +80,7 @@ def mark_partial_grads(module: nn.Module, names: tuple[str, ...], group: C.Group
         for pname, grp in mod._fsdp2d_partial_grads.items():
             p = mod._parameters.get(pname)
             if p is not None and p.requires_grad and not getattr(p, "_fsdp2d_grad_hooked", False):
-                p.register_hook(lambda g, grp=grp: C.all_reduce(g.clone(), grp))
+                p.register_hook(lambda g, grp=grp: C.all_reduce(g, grp, inplace=False))
                 p._fsdp2d_grad_hooked = True
 
     module.register_forward_pre_hook(attach_grad_hooks)

@@ -1,8 +1,8 @@
 """FSDP's collectives per step, and its per-rank memory for parameters and AdamW state.
 
-Counting: torch.distributed's all-gather and reduce-scatter entry points are wrapped in
-the worker, and only calls on the data-parallel group are counted (TP's own collectives
-run on the TP group). Per training step with L blocks + the root:
+Counting: ``fsdp2d.debug.CollectiveCounter`` sees every c10d op (gloo's pairwise
+exchanges counted as the collective they implement); only the data-parallel group's
+are FSDP's (TP's own collectives run on the TP group). Per training step with L blocks + the root:
 forward L+1 all-gathers, backward L (the blocks reshard after forward; the root keeps
 its parameters, as torch's FSDP2 does), and L+1 reduce-scatters.
 """
@@ -10,10 +10,10 @@ its parameters, as torch's FSDP2 does), and L+1 reduce-scatters.
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp2d
+from fsdp2d.debug import CollectiveCounter
 from fsdp2d.models import Llama, LlamaArgs, llama_tp_plan
 
 from .pool import get_mesh
@@ -30,30 +30,6 @@ def _model_2d(reshard_after_forward: bool = True):
     return mesh, model
 
 
-class _Counter:
-    """Wraps dist.all_gather_single / reduce_scatter_single; counts calls on one group."""
-
-    def __init__(self, group):
-        self.group, self.calls, self._saved = group, [], {}
-
-    def __enter__(self):
-        for name in ("all_gather_single", "reduce_scatter_single"):
-            real = getattr(dist, name)
-            self._saved[name] = real
-
-            def wrapped(*args, _real=real, _name=name, **kwargs):
-                if kwargs.get("group") is self.group:
-                    self.calls.append(_name)
-                return _real(*args, **kwargs)
-
-            setattr(dist, name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for name, real in self._saved.items():
-            setattr(dist, name, real)
-
-
 def job_count_collectives(reshard_after_forward: bool):
     torch.set_num_threads(1)
     mesh, model = _model_2d(reshard_after_forward)
@@ -61,16 +37,19 @@ def job_count_collectives(reshard_after_forward: bool):
     x = torch.randint(0, 256, (2, 16))
     per_step = []
     for _ in range(3):  # step 0 records the forward order; later steps prefetch
-        with _Counter(mesh["dp"].get_group()) as fwd:
+        dp = mesh["dp"].get_group()
+        with CollectiveCounter() as fwd:
             loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
-        with _Counter(mesh["dp"].get_group()) as bwd:
+        with CollectiveCounter() as bwd:
             loss.backward()
         opt.step()
         opt.zero_grad()
         per_step.append({
-            "fwd_ag": fwd.calls.count("all_gather_single"),
-            "bwd_ag": bwd.calls.count("all_gather_single"),
-            "rs": fwd.calls.count("reduce_scatter_single") + bwd.calls.count("reduce_scatter_single"),
+            "fwd_ag": fwd.count(dp, "all_gather"),
+            "bwd_ag": bwd.count(dp, "all_gather"),
+            "rs": fwd.count(dp, "reduce_scatter") + bwd.count(dp, "reduce_scatter"),
+            "other": sorted(k for _, k in fwd.counts.keys() | bwd.counts.keys()
+                            if k not in ("all_gather", "reduce_scatter", "all_reduce")),
         })
     return per_step
 
@@ -78,13 +57,13 @@ def job_count_collectives(reshard_after_forward: bool):
 def test_one_all_gather_per_group_per_pass(pool):
     layers = LlamaArgs.debug().n_layers
     for step in pool.run(job_count_collectives, True)[0]:
-        assert step == {"fwd_ag": layers + 1, "bwd_ag": layers, "rs": layers + 1}, step
+        assert step == {"fwd_ag": layers + 1, "bwd_ag": layers, "rs": layers + 1, "other": []}, step
 
 
 def test_no_backward_all_gather_without_reshard(pool):
     layers = LlamaArgs.debug().n_layers
     for step in pool.run(job_count_collectives, False)[0]:
-        assert step == {"fwd_ag": layers + 1, "bwd_ag": 0, "rs": layers + 1}, step
+        assert step == {"fwd_ag": layers + 1, "bwd_ag": 0, "rs": layers + 1, "other": []}, step
 
 
 def job_memory():
@@ -123,38 +102,18 @@ def test_memory_is_16_bytes_per_local_parameter(pool):
         assert r["padding"] < 0.01 * r["local"]
 
 
-class _AllReduceCounter:
-    """Counts dist.all_reduce calls on one group."""
-
-    def __init__(self, group):
-        self.group, self.count = group, 0
-
-    def __enter__(self):
-        self._real = dist.all_reduce
-
-        def wrapped(*args, **kwargs):
-            if kwargs.get("group") is self.group:
-                self.count += 1
-            return self._real(*args, **kwargs)
-
-        dist.all_reduce = wrapped
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self._real
-
-
 def job_count_tp_all_reduces():
     torch.set_num_threads(1)
     mesh, model = _model_2d()
     x = torch.randint(0, 256, (2, 16))
     counts = []
     for _ in range(2):
-        with _AllReduceCounter(mesh["tp"].get_group()) as fwd:
+        tp = mesh["tp"].get_group()
+        with CollectiveCounter() as fwd:
             loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
-        with _AllReduceCounter(mesh["tp"].get_group()) as bwd:
+        with CollectiveCounter() as bwd:
             loss.backward()
-        counts.append((fwd.count, bwd.count))
+        counts.append((fwd.count(tp, "all_reduce"), bwd.count(tp, "all_reduce")))
     return counts
 
 

@@ -1,0 +1,111 @@
+"""Count the collectives a piece of code issues, per process group and kind.
+
+:class:`CollectiveCounter` is a ``TorchDispatchMode``: every ``torch.distributed``
+entry point dispatches to a ``c10d::*`` op, so it sees what reaches the backend,
+whichever library issued it (fsdp2d, torch's FSDP2, ``dist.*`` calls). It sees the
+calls of the thread that enters it (gloo and NCCL do their transfers on their own
+threads, but the ops are issued here).
+
+Bytes are the *logical buffer* of a collective on one rank: all-reduce: the tensor;
+all-gather: the gathered output; reduce-scatter: the unreduced input; broadcast, send,
+recv: the tensor. fsdp2d's pairwise exchanges on gloo (see ``fsdp2d._collectives``)
+are several ``send``/``recv`` ops tagged with their kind; they are counted as the one
+collective they implement, with the same logical bytes as the native op, so counts
+and bytes do not depend on the backend's algorithm.
+
+    from fsdp2d.debug import CollectiveCounter
+    with CollectiveCounter() as counter:
+        loss.backward()
+    counter.count(mesh.get_group("dp"), "reduce_scatter")   # -> int
+    counter.summary({"dp": mesh.get_group("dp")})           # {"dp/reduce_scatter": [n, bytes], ...}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ._collectives import EXCHANGE_KINDS
+
+__all__ = ["CollectiveCounter", "C10D_KINDS"]
+
+# c10d op name -> (kind, index of the argument holding the logical buffer or None)
+C10D_KINDS: dict[str, tuple[str, int | None]] = {
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0), "allgather_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "broadcast_": ("broadcast", 0), "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
+    "barrier": ("barrier", None), "send": ("send", 0), "recv_": ("recv", 0), "reduce_": ("reduce", 0),
+    "gather_": ("gather", 1), "scatter_": ("scatter", 0),
+}
+
+
+def nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+
+
+def process_group(args: tuple) -> dist.ProcessGroup | None:
+    """The ProcessGroup among a c10d op's arguments (boxed as a ScriptObject)."""
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("c10d.ProcessGroup"):
+            return dist.ProcessGroup.unbox(a)
+    return None
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts c10d collectives while active: ``(group name, kind) -> [count, bytes]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[tuple[str, str], list[int]] = {}
+        self._exchanges_seen: set[tuple[str, int]] = set()
+
+    def describe(self, func, args: tuple) -> tuple[dist.ProcessGroup | None, str, int] | None:
+        """(group, kind, logical bytes) of one c10d op; None if it is not a collective
+        or is a further message of an exchange already counted."""
+        if func.namespace != "c10d":
+            return None
+        name = func._schema.name.split("::")[-1]
+        group = process_group(args)
+        if name in ("send", "recv_") and group is not None and args[-1] >> 24 in EXCHANGE_KINDS:
+            if name == "recv_":
+                return None  # the send side counts the exchange
+            key = (group.group_name, args[-1])
+            if key in self._exchanges_seen:
+                return None
+            self._exchanges_seen.add(key)
+            kind = EXCHANGE_KINDS[args[-1] >> 24]
+            per_rank = 1 if kind == "all_reduce" else group.size()  # one chunk per rank
+            return group, kind, nbytes(args[0]) * per_rank
+        kind, arg = C10D_KINDS.get(name, (name, 0))
+        return group, kind, 0 if arg is None else nbytes(args[arg])
+
+    def record(self, group: dist.ProcessGroup | None, kind: str, size: int) -> None:
+        entry = self.counts.setdefault((group.group_name if group is not None else "", kind), [0, 0])
+        entry[0] += 1
+        entry[1] += size
+
+    def count(self, group: dist.ProcessGroup, kind: str) -> int:
+        return self.counts.get((group.group_name, kind), [0, 0])[0]
+
+    def summary(self, axes: dict[str, dist.ProcessGroup]) -> dict[str, list[int]]:
+        """``{"axis/kind": [count, bytes]}``, groups named by ``axes`` (others: "other")."""
+        names = {g.group_name: axis for axis, g in axes.items()}
+        out: dict[str, list[int]] = {}
+        for (group_name, kind), (n, b) in self.counts.items():
+            entry = out.setdefault(f"{names.get(group_name, 'other')}/{kind}", [0, 0])
+            entry[0] += n
+            entry[1] += b
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        described = self.describe(func, args)
+        if described is not None:
+            self.record(*described)
+        return func(*args, **(kwargs or {}))
