@@ -36,11 +36,11 @@ Group = dist.ProcessGroup
 
 
 def group_size(group: Group | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    return 1 if group is None else group.size()  # (cheaper than dist.get_world_size)
 
 
 def group_rank(group: Group | None) -> int:
-    return 0 if group is None else dist.get_rank(group)
+    return 0 if group is None else group.rank()
 
 
 def chunk_sizes(global_size: int, num_chunks: int) -> list[int]:
@@ -51,22 +51,41 @@ def chunk_sizes(global_size: int, num_chunks: int) -> list[int]:
 EXCHANGE_MAX_RANKS = 8  # k-1 messages per rank per exchange: beyond this, gloo's ring wins
 EXCHANGE_KINDS = {1: "all_gather", 2: "reduce_scatter", 3: "all_reduce"}  # tag >> 24
 _KIND_CODE = {v: k for k, v in EXCHANGE_KINDS.items()}
-_SEQ: "weakref.WeakKeyDictionary[Group, int]" = weakref.WeakKeyDictionary()  # per group
+
+
+class _Peers:
+    """Per group: whether exchanges apply, the other ranks, the exchange counter."""
+
+    def __init__(self, group: Group) -> None:
+        try:
+            gloo = dist.get_backend(group) == "gloo"
+        except (ValueError, RuntimeError):  # not a registered group (a fake or custom one)
+            gloo = False
+        self.exchange = gloo and 2 <= group_size(group) <= EXCHANGE_MAX_RANKS
+        me = group_rank(group)
+        # (group rank, global rank) of every other rank in the group
+        self.others = [(j, dist.get_global_rank(group, j)) for j in range(group_size(group)) if j != me]
+        self.seq = 0
+
+
+_PEERS: "weakref.WeakKeyDictionary[Group, _Peers]" = weakref.WeakKeyDictionary()
+
+
+def _peers(group: Group) -> _Peers:
+    info = _PEERS.get(group)
+    if info is None:
+        info = _PEERS[group] = _Peers(group)
+    return info
 
 
 def _use_exchange(group: Group, t: torch.Tensor) -> bool:
-    if t.device.type != "cpu" or not 2 <= group_size(group) <= EXCHANGE_MAX_RANKS:
-        return False
-    try:
-        return dist.get_backend(group) == "gloo"
-    except (ValueError, RuntimeError):  # not a registered group (a fake or custom one)
-        return False
+    return t.device.type == "cpu" and group_size(group) > 1 and _peers(group).exchange
 
 
 def _next_tag(group: Group, kind: str) -> int:
-    seq = _SEQ.get(group, 0)
-    _SEQ[group] = seq + 1
-    return _KIND_CODE[kind] << 24 | seq % (1 << 24)
+    info = _peers(group)
+    info.seq += 1
+    return _KIND_CODE[kind] << 24 | info.seq % (1 << 24)
 
 
 class Exchange:
@@ -86,16 +105,10 @@ class Exchange:
         return True
 
 
-def _peers(group: Group) -> list[tuple[int, int]]:
-    """(group rank, global rank) of every other rank in the group."""
-    me = group_rank(group)
-    return [(j, dist.get_global_rank(group, j)) for j in range(group_size(group)) if j != me]
-
-
 def _exchange_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Exchange:
     tag, n, me = _next_tag(group, "all_gather"), inp.numel(), group_rank(group)
     works = []
-    for j, peer in _peers(group):
+    for j, peer in _peers(group).others:
         works.append(dist.isend(inp, peer, group=group, tag=tag))
         works.append(dist.irecv(out[j * n:(j + 1) * n], peer, group=group, tag=tag))
     out[me * n:(me + 1) * n].copy_(inp)
@@ -105,7 +118,7 @@ def _exchange_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> 
 def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Exchange:
     tag, n, me = _next_tag(group, "reduce_scatter"), out.numel(), group_rank(group)
     works, parts = [], {me: inp[me * n:(me + 1) * n]}
-    for j, peer in _peers(group):
+    for j, peer in _peers(group).others:
         works.append(dist.isend(inp[j * n:(j + 1) * n], peer, group=group, tag=tag))
         parts[j] = out.new_empty(n)
         works.append(dist.irecv(parts[j], peer, group=group, tag=tag))
@@ -121,7 +134,7 @@ def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group)
 def _exchange_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Two ranks: swap the whole tensor, then ``rank0's + rank1's`` on both."""
     tag, me = _next_tag(group, "all_reduce"), group_rank(group)
-    [(_, peer)] = _peers(group)
+    [(_, peer)] = _peers(group).others
     other = torch.empty_like(x)
     works = [dist.isend(x, peer, group=group, tag=tag), dist.irecv(other, peer, group=group, tag=tag)]
     for w in works:

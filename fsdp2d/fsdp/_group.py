@@ -79,6 +79,7 @@ class FSDPParamGroup:
         for p in params:
             p.offset, offset = offset, offset + p.segment_numel
         self.total = offset
+        self.all_even = all(p.even for p in params)  # every segment splits without padding
         dtypes = {p.sharded.dtype for p in params}
         if len(dtypes) > 1 and mp.param_dtype is None:
             names = ", ".join(f"{p.fqn}: {p.sharded.dtype}" for p in params[:6])
@@ -228,7 +229,12 @@ class FSDPParamGroup:
         gathered = out.view(self.k, self.total)
         for p in self.params:
             p.alloc_unsharded()
-            p.copy_in(gathered)
+        if self.all_even and self.params:  # one copy op for the whole group
+            torch.split_with_sizes_copy(gathered, [p.segment_numel for p in self.params], dim=1,
+                                        out=[p.unsharded.data.view(self.k, -1) for p in self.params])
+        else:
+            for p in self.params:
+                p.copy_in(gathered)
         self._gather = None
         self.unsharded = True
         self._gathered_versions = self._shard_versions()
@@ -267,29 +273,41 @@ class FSDPParamGroup:
         """Launch the (async) reduce-scatter of the unsharded gradients, if syncing."""
         if not self.needs_reduce or not self.requires_sync:
             return
-        # One extra column per parameter, 1 in every row where this rank has a gradient:
-        # after the reduce-scatter every rank knows how many ranks had one (a collective
-        # decision, so a parameter used on some ranks only still updates everywhere).
-        n = len(self.params)
-        buf = torch.empty((self.k, self.total + n), dtype=self.reduce_dtype, device=self.compute_device)
-        for i, p in enumerate(self.params):
+        grads = []
+        for p in self.params:
             g = p.unsharded.grad
             if p.acc_grad is not None:  # microbatches accumulated without sync
                 g = p.acc_grad if g is None else p.acc_grad.add_(g)
                 p.acc_grad = None
-            if g is None:  # zeros keep the collective identical on every rank
-                buf[:, p.offset:p.offset + p.segment_numel].zero_()
-            else:
-                p.copy_grad_out(g, buf)
-            buf[:, self.total + i] = 0.0 if g is None else 1.0
+            grads.append(g)
             p.unsharded.grad = None
+        buf = self._pack_grads(grads)
         self.counts["reduce_scatter"] += 1
         if self.k == 1:
             self._reduce = (None, buf.view(-1))
         else:
-            out = buf.new_empty(self.total + n)
+            out = buf.new_empty(self.total + len(self.params))
             self._reduce = (C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True), out)
         self.needs_reduce = False
+
+    def _pack_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """The reduce-scatter input ``(k, total + n)``: every parameter's gradient in its
+        segment (zeros without one, so the collective is identical on every rank), then
+        one flag column per parameter, 1 in every row where this rank has a gradient:
+        after the reduce-scatter every rank knows how many ranks had one (a collective
+        decision, so a parameter used on some ranks only still updates everywhere)."""
+        n, k, dtype = len(self.params), self.k, self.reduce_dtype
+        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=self.compute_device)
+        if self.all_even and all(g is not None and g.dtype == dtype for g in grads):
+            return torch.cat([*(g.reshape(k, -1) for g in grads), flags.expand(k, n)], dim=1)  # one copy op
+        buf = torch.empty((k, self.total + n), dtype=dtype, device=self.compute_device)
+        for p, g in zip(self.params, grads):
+            if g is None:
+                buf[:, p.offset:p.offset + p.segment_numel].zero_()
+            else:
+                p.copy_grad_out(g, buf)
+        buf[:, self.total:] = flags
+        return buf
 
     def finish_reduce(self, assign: bool = True) -> None:
         """Wait for the reduce-scatter and accumulate into the sharded ``.grad``s of the
