@@ -57,14 +57,14 @@ class _Peers:
     """Per group: whether exchanges apply, the other ranks, the exchange counter."""
 
     def __init__(self, group: Group) -> None:
-        try:
-            gloo = dist.get_backend(group) == "gloo"
+        try:  # "gloo", or "cpu:gloo,cuda:nccl" for a group with a backend per device
+            backend = dist.get_backend(group)
         except (ValueError, RuntimeError):  # not a registered group (a fake or custom one)
-            gloo = False
+            backend = ""
+        gloo = backend == "gloo" or "cpu:gloo" in backend.split(",")
         self.exchange = gloo and 2 <= group_size(group) <= EXCHANGE_MAX_RANKS
         me = group_rank(group)
-        # (group rank, global rank) of every other rank in the group
-        self.others = [(j, dist.get_global_rank(group, j)) for j in range(group_size(group)) if j != me]
+        self.others = [j for j in range(group_size(group)) if j != me]  # group ranks
         self.seq = 0
 
 
@@ -105,23 +105,33 @@ class Exchange:
         return True
 
 
+def _check(out: torch.Tensor, inp: torch.Tensor, out_numel: int, what: str) -> None:
+    if out.dtype != inp.dtype or out.numel() != out_numel or not (out.is_contiguous() and inp.is_contiguous()):
+        raise ValueError(f"{what}: output {out.dtype} x {out.numel()} does not fit input {inp.dtype} x "
+                         f"{inp.numel()} (same dtype, contiguous, output numel {out_numel} needed)")
+
+
 def _exchange_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Exchange:
-    tag, n, me = _next_tag(group, "all_gather"), inp.numel(), group_rank(group)
+    n, me = inp.numel(), group_rank(group)
+    _check(out, inp, n * group_size(group), "all_gather_into")
+    tag = _next_tag(group, "all_gather")
     works = []
-    for j, peer in _peers(group).others:
-        works.append(dist.isend(inp, peer, group=group, tag=tag))
-        works.append(dist.irecv(out[j * n:(j + 1) * n], peer, group=group, tag=tag))
+    for j in _peers(group).others:
+        works.append(dist.isend(inp, group=group, tag=tag, group_dst=j))
+        works.append(dist.irecv(out[j * n:(j + 1) * n], group=group, tag=tag, group_src=j))
     out[me * n:(me + 1) * n].copy_(inp)
     return Exchange(works)
 
 
 def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Exchange:
-    tag, n, me = _next_tag(group, "reduce_scatter"), out.numel(), group_rank(group)
+    n, me = out.numel(), group_rank(group)
+    _check(inp, out, n * group_size(group), "reduce_scatter_into")
+    tag = _next_tag(group, "reduce_scatter")
     works, parts = [], {me: inp[me * n:(me + 1) * n]}
-    for j, peer in _peers(group).others:
-        works.append(dist.isend(inp[j * n:(j + 1) * n], peer, group=group, tag=tag))
+    for j in _peers(group).others:
+        works.append(dist.isend(inp[j * n:(j + 1) * n], group=group, tag=tag, group_dst=j))
         parts[j] = out.new_empty(n)
-        works.append(dist.irecv(parts[j], peer, group=group, tag=tag))
+        works.append(dist.irecv(parts[j], group=group, tag=tag, group_src=j))
 
     def finish() -> None:  # sum in group-rank order
         torch.add(parts[0], parts[1], out=out)
@@ -134,9 +144,10 @@ def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group)
 def _exchange_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Two ranks: swap the whole tensor, then ``rank0's + rank1's`` on both."""
     tag, me = _next_tag(group, "all_reduce"), group_rank(group)
-    [(_, peer)] = _peers(group).others
+    [peer] = _peers(group).others
     other = torch.empty_like(x)
-    works = [dist.isend(x, peer, group=group, tag=tag), dist.irecv(other, peer, group=group, tag=tag)]
+    works = [dist.isend(x, group=group, tag=tag, group_dst=peer),
+             dist.irecv(other, group=group, tag=tag, group_src=peer)]
     for w in works:
         w.wait()
     return x + other if me == 0 else other + x

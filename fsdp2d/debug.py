@@ -11,7 +11,8 @@ all-gather: the gathered output; reduce-scatter: the unreduced input; broadcast,
 recv: the tensor. fsdp2d's pairwise exchanges on gloo (see ``fsdp2d._collectives``)
 are several ``send``/``recv`` ops tagged with their kind; they are counted as the one
 collective they implement, with the same logical bytes as the native op, so counts
-and bytes do not depend on the backend's algorithm.
+and bytes do not depend on the backend's algorithm. (A user's own ``send`` with a tag
+in fsdp2d's range, ``[1 << 24, 4 << 24)``, would be counted as an exchange too.)
 
     from fsdp2d.debug import CollectiveCounter
     with CollectiveCounter() as counter:
@@ -64,7 +65,6 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: dict[tuple[str, str], list[int]] = {}
-        self._exchanges_seen: set[tuple[str, int]] = set()
 
     def describe(self, func, args: tuple) -> tuple[dist.ProcessGroup | None, str, int] | None:
         """(group, kind, logical bytes) of one c10d op; None if it is not a collective
@@ -74,12 +74,8 @@ class CollectiveCounter(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         group = process_group(args)
         if name in ("send", "recv_") and group is not None and args[-1] >> 24 in EXCHANGE_KINDS:
-            if name == "recv_":
-                return None  # the send side counts the exchange
-            key = (group.group_name, args[-1])
-            if key in self._exchanges_seen:
-                return None
-            self._exchanges_seen.add(key)
+            if name == "recv_" or args[2] != (1 if group.rank() == 0 else 0):
+                return None  # counted once: at the send to the lowest other group rank
             kind = EXCHANGE_KINDS[args[-1] >> 24]
             per_rank = 1 if kind == "all_reduce" else group.size()  # one chunk per rank
             return group, kind, nbytes(args[0]) * per_rank

@@ -9,7 +9,7 @@ native collective on the same data, and across ranks bit for bit).
 
 import torch
 
-from .pool import get_mesh
+from .pool import capture_error, get_mesh
 
 WORLD = 4
 
@@ -56,6 +56,9 @@ def job_exchanges():
     dist.reduce_scatter_tensor(rs_native, y, group=tp)
     C.reduce_scatter_into(rs_mine, y, tp)
     out["f32"] = {"ar_native": native, "ar": mine, "rs_native": rs_native, "rs": rs_mine}
+    out["errors"] = [capture_error(lambda: C.all_gather_into(torch.empty(5), torch.zeros(2), tp)),
+                     capture_error(lambda: C.reduce_scatter_into(torch.empty(2), torch.zeros(4).double(), tp))]
+    out["after_errors"] = C.all_reduce(torch.ones(2), tp)  # the exchange sequence is still in step
     return out
 
 
@@ -81,5 +84,8 @@ def test_exchanges_match_independent_sums_and_gloo(pool):
             assert r["counts"] == expect_counts, (name, r["counts"])
         f = res["f32"]
         assert torch.equal(f["ar"], f["ar_native"]) and torch.equal(f["rs"], f["rs_native"])
+        for err in res["errors"]:
+            assert err is not None and err[0] == "ValueError" and "same dtype" in err[1], err
+        assert torch.equal(res["after_errors"], torch.full((2,), 2.0))
     for a, b in ((0, 1), (2, 3)):  # both TP ranks hold the bit-identical sum
         assert torch.equal(results[a]["f32"]["ar"], results[b]["f32"]["ar"])

@@ -1,0 +1,86 @@
+"""Where a rank's CPU goes, without communication: one process, a fake process group.
+
+    python benchmarks/cpu_floor.py --model llama --size medium
+
+Builds rank 0's part of compare_torch.py's 2x2 run in one process on torch's ``fake``
+backend (collectives return at once and move nothing), so what is timed is the rank's
+own work: compute plus each stack's Python. Four variants, same model and batch:
+
+* plain:   the TP-local shapes with fsdp2d's hooks removed: no TP autograd functions, no
+           FSDP; just the local matmuls a rank must do (the compute floor);
+* tp only: fsdp2d's ``parallelize_module`` (its autograd collectives, no FSDP);
+* fsdp2d:  TP + ``fully_shard`` as benchmarked;
+* torch:   torch's DTensor TP + FSDP2 as benchmarked.
+
+Reports the main thread's CPU ms per training step (forward, backward, AdamW step), the
+median of 12 steps after 3 warmup steps. The difference between these and the
+"CPU ms/step/rank" of a real gloo run is the cost of communication on that machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare_torch as ct  # noqa: E402
+
+import fsdp2d  # noqa: E402
+from fsdp2d.models import gpt2_tp_plan, llama_tp_plan  # noqa: E402
+
+
+def plain_local(cfg: ct.Config, mesh: fsdp2d.DeviceMesh, tp_only: bool) -> torch.nn.Module:
+    model = ct.build_model(cfg)
+    fsdp2d.parallelize_module(model, mesh["tp"], gpt2_tp_plan() if cfg.model == "gpt2" else llama_tp_plan())
+    if not tp_only:
+        for m in model.modules():  # drop the TP boundary hooks: a plain model of local shapes
+            m._forward_hooks.clear()
+            m._forward_pre_hooks.clear()
+    return model
+
+
+def cpu_per_step(model: torch.nn.Module, cfg: ct.Config, local_vocab: int | None) -> float:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times = []
+    for step in range(15):
+        x, y = ct.batch_for(cfg, step, 0, 2)
+        if local_vocab is not None:  # the hook-less embedding and head hold local rows only
+            x, y = x % local_vocab, y % local_vocab
+        t0 = time.thread_time()
+        ct.train_step(model, opt, x, y)
+        if step >= 3:
+            times.append(time.thread_time() - t0)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("gpt2", "llama"), default="llama")
+    p.add_argument("--size", choices=("small", "medium"), default="medium")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mesh = fsdp2d.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    cfg = ct.CONFIGS[(a.model, a.size)]
+    variants = {
+        "plain (local shapes, no fsdp2d)": lambda: (plain_local(cfg, mesh, tp_only=False), cfg.vocab // 2),
+        "fsdp2d tp only": lambda: (plain_local(cfg, mesh, tp_only=True), None),
+        "fsdp2d tp + fully_shard": lambda: (ct.build_fsdp2d(cfg, mesh), None),
+        "torch tp + fully_shard": lambda: (ct.build_torch(cfg, mesh), None),
+    }
+    print(f"{a.model} {a.size}, rank 0 of 2x2, fake process group, main-thread CPU ms per step")
+    for name, build in variants.items():
+        model, local_vocab = build()
+        print(f"  {name:34s} {cpu_per_step(model, cfg, local_vocab):7.1f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
