@@ -70,7 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fsdp2d
-from fsdp2d.debug import CollectiveCounter, nbytes as _nbytes
+from fsdp2d.debug import describe_c10d_op, nbytes as _nbytes
 from fsdp2d.models import GPT2, GPT2Args, Llama, LlamaArgs, gpt2_tp_plan, llama_tp_plan
 
 FP32 = 4  # bytes per element; every run here is fp32
@@ -212,7 +212,6 @@ class StepTracker(TorchDispatchMode):
         super().__init__()
         self.axis_of_group = axis_of_group
         self.collectives: dict[str, list[int]] = {}  # "axis/kind" -> [count, bytes]
-        self._c10d = CollectiveCounter()  # decodes c10d ops (not entered itself)
         self._live: dict[int, tuple[weakref.ref, int]] = {}
         self.current = 0
         self.peak = 0
@@ -275,7 +274,7 @@ class StepTracker(TorchDispatchMode):
     def _count(self, func, args: tuple, kwargs: dict) -> None:
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         if ns == "c10d":  # fsdp2d's gloo exchanges count as the collective they implement
-            described = self._c10d.describe(func, args)
+            described = describe_c10d_op(func, args)
             if described is None:
                 return
             group, kind, nbytes = described

@@ -54,7 +54,7 @@ _KIND_CODE = {v: k for k, v in EXCHANGE_KINDS.items()}
 
 
 class _Peers:
-    """Per group: whether exchanges apply, the other ranks, the exchange counter."""
+    """Per group: whether exchanges apply, this rank, the other ranks, the counter."""
 
     def __init__(self, group: Group) -> None:
         try:  # "gloo", or "cpu:gloo,cuda:nccl" for a group with a backend per device
@@ -62,30 +62,27 @@ class _Peers:
         except (ValueError, RuntimeError):  # not a registered group (a fake or custom one)
             backend = ""
         gloo = backend == "gloo" or "cpu:gloo" in backend.split(",")
-        self.exchange = gloo and 2 <= group_size(group) <= EXCHANGE_MAX_RANKS
-        me = group_rank(group)
-        self.others = [j for j in range(group_size(group)) if j != me]  # group ranks
+        self.k, self.me = group_size(group), group_rank(group)
+        self.exchange = gloo and 2 <= self.k <= EXCHANGE_MAX_RANKS
+        self.others = [j for j in range(self.k) if j != self.me]  # group ranks
         self.seq = 0
+
+    def next_tag(self, kind: str) -> int:
+        self.seq += 1
+        return _KIND_CODE[kind] << 24 | self.seq % (1 << 24)
 
 
 _PEERS: "weakref.WeakKeyDictionary[Group, _Peers]" = weakref.WeakKeyDictionary()
 
 
-def _peers(group: Group) -> _Peers:
+def _exchange_peers(group: Group, t: torch.Tensor) -> _Peers | None:
+    """The group's exchange state when ``t`` goes by pairwise exchange, else None."""
+    if t.device.type != "cpu" or group_size(group) == 1:
+        return None
     info = _PEERS.get(group)
     if info is None:
         info = _PEERS[group] = _Peers(group)
-    return info
-
-
-def _use_exchange(group: Group, t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and group_size(group) > 1 and _peers(group).exchange
-
-
-def _next_tag(group: Group, kind: str) -> int:
-    info = _peers(group)
-    info.seq += 1
-    return _KIND_CODE[kind] << 24 | info.seq % (1 << 24)
+    return info if info.exchange else None
 
 
 class Exchange:
@@ -105,30 +102,33 @@ class Exchange:
         return True
 
 
-def _check(out: torch.Tensor, inp: torch.Tensor, out_numel: int, what: str) -> None:
-    if out.dtype != inp.dtype or out.numel() != out_numel or not (out.is_contiguous() and inp.is_contiguous()):
-        raise ValueError(f"{what}: output {out.dtype} x {out.numel()} does not fit input {inp.dtype} x "
-                         f"{inp.numel()} (same dtype, contiguous, output numel {out_numel} needed)")
+def _check(full: torch.Tensor, piece: torch.Tensor, k: int, what: str) -> None:
+    """``full`` must hold ``k`` pieces: same dtype, both contiguous."""
+    if full.dtype != piece.dtype or full.numel() != k * piece.numel() or not (
+            full.is_contiguous() and piece.is_contiguous()):
+        raise ValueError(f"{what}: the tensors need the same dtype, be contiguous, and the larger hold "
+                         f"{k} x the smaller; got {full.dtype} x {full.numel()} and {piece.dtype} x "
+                         f"{piece.numel()}")
 
 
-def _exchange_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Exchange:
-    n, me = inp.numel(), group_rank(group)
-    _check(out, inp, n * group_size(group), "all_gather_into")
-    tag = _next_tag(group, "all_gather")
+def _exchange_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, info: _Peers) -> Exchange:
+    n, me = inp.numel(), info.me
+    _check(out, inp, info.k, "all_gather_into")
+    tag = info.next_tag("all_gather")
     works = []
-    for j in _peers(group).others:
+    for j in info.others:
         works.append(dist.isend(inp, group=group, tag=tag, group_dst=j))
         works.append(dist.irecv(out[j * n:(j + 1) * n], group=group, tag=tag, group_src=j))
     out[me * n:(me + 1) * n].copy_(inp)
     return Exchange(works)
 
 
-def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> Exchange:
-    n, me = out.numel(), group_rank(group)
-    _check(inp, out, n * group_size(group), "reduce_scatter_into")
-    tag = _next_tag(group, "reduce_scatter")
+def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, info: _Peers) -> Exchange:
+    n, me = out.numel(), info.me
+    _check(inp, out, info.k, "reduce_scatter_into")
+    tag = info.next_tag("reduce_scatter")
     works, parts = [], {me: inp[me * n:(me + 1) * n]}
-    for j in _peers(group).others:
+    for j in info.others:
         works.append(dist.isend(inp[j * n:(j + 1) * n], group=group, tag=tag, group_dst=j))
         parts[j] = out.new_empty(n)
         works.append(dist.irecv(parts[j], group=group, tag=tag, group_src=j))
@@ -141,22 +141,23 @@ def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group)
     return Exchange(works, finish)
 
 
-def _exchange_all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _exchange_all_reduce(x: torch.Tensor, group: Group, info: _Peers) -> torch.Tensor:
     """Two ranks: swap the whole tensor, then ``rank0's + rank1's`` on both."""
-    tag, me = _next_tag(group, "all_reduce"), group_rank(group)
-    [peer] = _peers(group).others
+    tag = info.next_tag("all_reduce")
+    [peer] = info.others
     other = torch.empty_like(x)
     works = [dist.isend(x, group=group, tag=tag, group_dst=peer),
              dist.irecv(other, group=group, tag=tag, group_src=peer)]
     for w in works:
         w.wait()
-    return x + other if me == 0 else other + x
+    return x + other if info.me == 0 else other + x
 
 
 def _run(exchange: Callable, native: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group,
          async_op: bool) -> Any:
-    if _use_exchange(group, inp):
-        work = exchange(out, inp, group)
+    info = _exchange_peers(group, inp)
+    if info is not None:
+        work = exchange(out, inp, group, info)
     else:
         work = native(out, inp, group=group, async_op=True)
     if async_op:
@@ -183,8 +184,9 @@ def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
     if group_size(group) == 1:
         return x
     x = x.contiguous()
-    if op == dist.ReduceOp.SUM and group_size(group) == 2 and _use_exchange(group, x):
-        return _exchange_all_reduce(x, group)
+    info = _exchange_peers(group, x) if op == dist.ReduceOp.SUM and group_size(group) == 2 else None
+    if info is not None:
+        return _exchange_all_reduce(x, group, info)
     if not inplace:
         x = x.clone()
     dist.all_reduce(x, op=op, group=group)

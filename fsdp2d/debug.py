@@ -18,7 +18,7 @@ in fsdp2d's range, ``[1 << 24, 4 << 24)``, would be counted as an exchange too.)
     with CollectiveCounter() as counter:
         loss.backward()
     counter.count(mesh.get_group("dp"), "reduce_scatter")   # -> int
-    counter.summary({"dp": mesh.get_group("dp")})           # {"dp/reduce_scatter": [n, bytes], ...}
+    counter.counts   # {(group name, kind): [count, bytes]}
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._collectives import EXCHANGE_KINDS
 
-__all__ = ["CollectiveCounter", "C10D_KINDS"]
+__all__ = ["CollectiveCounter", "C10D_KINDS", "describe_c10d_op"]
 
 # c10d op name -> (kind, index of the argument holding the logical buffer or None)
 C10D_KINDS: dict[str, tuple[str, int | None]] = {
@@ -59,49 +59,39 @@ def process_group(args: tuple) -> dist.ProcessGroup | None:
     return None
 
 
+def describe_c10d_op(func, args: tuple) -> tuple[dist.ProcessGroup | None, str, int] | None:
+    """(group, kind, logical bytes) of one c10d op; None if it is not a collective or is
+    a message of an exchange counted elsewhere (each exchange is counted once, at its
+    send to the lowest other group rank)."""
+    if func.namespace != "c10d":
+        return None
+    name = func._schema.name.split("::")[-1]
+    group = process_group(args)
+    if name in ("send", "recv_") and group is not None and args[-1] >> 24 in EXCHANGE_KINDS:
+        if name == "recv_" or args[2] != (1 if group.rank() == 0 else 0):
+            return None
+        kind = EXCHANGE_KINDS[args[-1] >> 24]
+        per_rank = 1 if kind == "all_reduce" else group.size()  # one chunk per rank
+        return group, kind, nbytes(args[0]) * per_rank
+    kind, arg = C10D_KINDS.get(name, (name, 0))
+    return group, kind, 0 if arg is None else nbytes(args[arg])
+
+
 class CollectiveCounter(TorchDispatchMode):
-    """Counts c10d collectives while active: ``(group name, kind) -> [count, bytes]``."""
+    """Counts c10d collectives while active: ``counts[(group name, kind)] = [count, bytes]``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: dict[tuple[str, str], list[int]] = {}
 
-    def describe(self, func, args: tuple) -> tuple[dist.ProcessGroup | None, str, int] | None:
-        """(group, kind, logical bytes) of one c10d op; None if it is not a collective
-        or is a further message of an exchange already counted."""
-        if func.namespace != "c10d":
-            return None
-        name = func._schema.name.split("::")[-1]
-        group = process_group(args)
-        if name in ("send", "recv_") and group is not None and args[-1] >> 24 in EXCHANGE_KINDS:
-            if name == "recv_" or args[2] != (1 if group.rank() == 0 else 0):
-                return None  # counted once: at the send to the lowest other group rank
-            kind = EXCHANGE_KINDS[args[-1] >> 24]
-            per_rank = 1 if kind == "all_reduce" else group.size()  # one chunk per rank
-            return group, kind, nbytes(args[0]) * per_rank
-        kind, arg = C10D_KINDS.get(name, (name, 0))
-        return group, kind, 0 if arg is None else nbytes(args[arg])
-
-    def record(self, group: dist.ProcessGroup | None, kind: str, size: int) -> None:
-        entry = self.counts.setdefault((group.group_name if group is not None else "", kind), [0, 0])
-        entry[0] += 1
-        entry[1] += size
-
     def count(self, group: dist.ProcessGroup, kind: str) -> int:
         return self.counts.get((group.group_name, kind), [0, 0])[0]
 
-    def summary(self, axes: dict[str, dist.ProcessGroup]) -> dict[str, list[int]]:
-        """``{"axis/kind": [count, bytes]}``, groups named by ``axes`` (others: "other")."""
-        names = {g.group_name: axis for axis, g in axes.items()}
-        out: dict[str, list[int]] = {}
-        for (group_name, kind), (n, b) in self.counts.items():
-            entry = out.setdefault(f"{names.get(group_name, 'other')}/{kind}", [0, 0])
-            entry[0] += n
-            entry[1] += b
-        return out
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        described = self.describe(func, args)
+        described = describe_c10d_op(func, args)
         if described is not None:
-            self.record(*described)
+            group, kind, size = described
+            entry = self.counts.setdefault((group.group_name if group is not None else "", kind), [0, 0])
+            entry[0] += 1
+            entry[1] += size
         return func(*args, **(kwargs or {}))
