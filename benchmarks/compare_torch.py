@@ -70,7 +70,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fsdp2d
-from fsdp2d.debug import describe_c10d_op, nbytes as _nbytes
+from fsdp2d import _shm
+from fsdp2d.debug import describe_c10d_op, nbytes as _nbytes, watch_exchanges
 from fsdp2d.models import GPT2, GPT2Args, Llama, LlamaArgs, gpt2_tp_plan, llama_tp_plan
 
 FP32 = 4  # bytes per element; every run here is fp32
@@ -217,6 +218,7 @@ class StepTracker(TorchDispatchMode):
         self.peak = 0
         self._lock = threading.RLock()
         self._orig_resize = None
+        self._watch = watch_exchanges(self._add)  # fsdp2d's exchanges report themselves
 
     # -- memory ---------------------------------------------------------------------
     def track(self, *trees: Any) -> None:
@@ -229,6 +231,8 @@ class StepTracker(TorchDispatchMode):
             return
         try:
             st = t.untyped_storage()
+            if _shm.is_ring(st.data_ptr()):
+                return  # fsdp2d's shared-memory rings: reported on their own (ring_bytes)
         except (NotImplementedError, RuntimeError):
             return
         self._update(st)
@@ -264,21 +268,22 @@ class StepTracker(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resize_
+        self._watch.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._orig_resize
+        self._watch.__exit__(*exc)
         return super().__exit__(*exc)
 
     # -- collectives ----------------------------------------------------------------
     def _count(self, func, args: tuple, kwargs: dict) -> None:
         ns, name = func.namespace, func._schema.name.split("::")[-1]
-        if ns == "c10d":  # fsdp2d's gloo exchanges count as the collective they implement
+        if ns == "c10d":
             described = describe_c10d_op(func, args)
-            if described is None:
-                return
-            group, kind, nbytes = described
-            axis = "other" if group is None else self.axis_of_group.get(group.group_name, "other")
+            if described is not None:
+                self._add(*described)
+            return
         elif ns == "_c10d_functional":
             if name in _FUNCTIONAL_SKIP:
                 return
@@ -296,6 +301,13 @@ class StepTracker(TorchDispatchMode):
                 kind, nbytes = name, _nbytes(args[0])
         else:
             return
+        self._add_axis(axis, kind, nbytes)
+
+    def _add(self, group: dist.ProcessGroup | None, kind: str, nbytes: int) -> None:
+        self._add_axis("other" if group is None else self.axis_of_group.get(group.group_name, "other"),
+                       kind, nbytes)
+
+    def _add_axis(self, axis: str, kind: str, nbytes: int) -> None:
         entry = self.collectives.setdefault(f"{axis}/{kind}", [0, 0])
         entry[0] += 1
         entry[1] += nbytes
@@ -479,6 +491,7 @@ def run(cfg: Config, steps: int, warmup: int, profile: str | None) -> dict | Non
         "collectives": {k: t.collectives for k, t in trackers.items()},
         "peak": {k: t.peak for k, t in trackers.items()},
         "at_rest": {k: t.at_rest for k, t in trackers.items()},
+        "rings": _shm.ring_bytes(),  # fsdp2d's shared-memory send rings (torch uses none)
     }
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -525,6 +538,7 @@ def summarize(cfg: Config, every: list[dict], dp: int, tp: int, steps: int, warm
             "tokens_per_s": tokens / med, "cpu_s_per_rank": statistics.median(cpu_per_step),
             "peak_bytes": max(r["peak"][name] for r in every),
             "at_rest_bytes": max(r["at_rest"][name] for r in every),
+            "shm_ring_bytes": max(r["rings"] for r in every) if name == "fsdp2d" else 0,
             "collectives": colls, "collectives_same_on_all_ranks": same,
             "collectives_per_step": sum(c for c, _ in colls.values()),
             "bytes_per_step": sum(b for _, b in colls.values()),
@@ -543,6 +557,7 @@ def summarize(cfg: Config, every: list[dict], dp: int, tp: int, steps: int, warm
     t, f = res["impl"]["torch"], res["impl"]["fsdp2d"]
     res["ratio_time"] = f["median_s"] / t["median_s"]
     res["ratio_peak_mem"] = f["peak_bytes"] / t["peak_bytes"]
+    res["ratio_peak_mem_with_rings"] = (f["peak_bytes"] + f["shm_ring_bytes"]) / t["peak_bytes"]
     return res
 
 
@@ -566,11 +581,12 @@ def table(results: list[dict]) -> str:
             ratio_m = f"{r['ratio_peak_mem']:.3f}" if name == "fsdp2d" else ""
             diff = f"{r['loss_max_rel_diff']:.1e}" if name == "fsdp2d" else ""
             load = f"{r['load_start']} → {r['load_end']}" if name == "torch" else ""
+            rings = f" + {_mib(i['shm_ring_bytes'])} shm" if i.get("shm_ring_bytes") else ""
             lines.append(
                 f"| {label if name == 'torch' else ''} | {name} | {i['median_s'] * 1e3:.1f} "
                 f"({i['p10_s'] * 1e3:.1f}-{i['p90_s'] * 1e3:.1f}) | {i['tokens_per_s']:.0f} | "
                 f"{i['cpu_s_per_rank'] * 1e3:.0f} | "
-                f"{_mib(i['peak_bytes'])} ({_mib(i['at_rest_bytes'])}) | {i['collectives_per_step']} | "
+                f"{_mib(i['peak_bytes'])} ({_mib(i['at_rest_bytes'])}){rings} | {i['collectives_per_step']} | "
                 f"{_mib(i['bytes_per_step'])} | {diff} | {ratio_t} | {ratio_m} | {load} |")
     return "\n".join(lines)
 
@@ -590,6 +606,9 @@ def comm_table(r: dict) -> str:
     lines.append(f"\nfsdp2d measured == theory: {r['fsdp2d_matches_theory']}; ring wire bytes sent per rank "
                  f"per step: torch {_mib(t['ring_wire_bytes_per_step'])} MiB, fsdp2d "
                  f"{_mib(f['ring_wire_bytes_per_step'])} MiB")
+    if f.get("shm_ring_bytes"):
+        lines.append(f"fsdp2d's shared-memory send rings: {_mib(f['shm_ring_bytes'])} MiB/rank; peak with them "
+                     f"/ torch's peak (gloo's socket buffers uncounted): {r['ratio_peak_mem_with_rings']:.3f}")
     return "\n".join(lines)
 
 

@@ -9,10 +9,13 @@ threads, but the ops are issued here).
 Bytes are the *logical buffer* of a collective on one rank: all-reduce: the tensor;
 all-gather: the gathered output; reduce-scatter: the unreduced input; broadcast, send,
 recv: the tensor. fsdp2d's pairwise exchanges on gloo (see ``fsdp2d._collectives``)
-are several ``send``/``recv`` ops tagged with their kind; they are counted as the one
+move their data through shared memory or as ``send``/``recv`` ops tagged with their
+kind: either way they report themselves when issued and are counted as the one
 collective they implement, with the same logical bytes as the native op, so counts
-and bytes do not depend on the backend's algorithm. (A user's own ``send`` with a tag
-in fsdp2d's range, ``[1 << 24, 4 << 24)``, would be counted as an exchange too.)
+and bytes do not depend on the transport or the backend's algorithm (their tagged
+``send``/``recv`` ops are not counted again; nor are the few gloo collectives that set
+up a group's shared-memory links, once per group). A user's own ``send`` with a tag in
+fsdp2d's range, ``[1 << 24, 4 << 24)``, is not counted.
 
     from fsdp2d.debug import CollectiveCounter
     with CollectiveCounter() as counter:
@@ -23,6 +26,7 @@ in fsdp2d's range, ``[1 << 24, 4 << 24)``, would be counted as an exchange too.)
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -30,9 +34,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from . import _collectives, _shm
 from ._collectives import EXCHANGE_KINDS
 
-__all__ = ["CollectiveCounter", "C10D_KINDS", "describe_c10d_op"]
+__all__ = ["CollectiveCounter", "C10D_KINDS", "describe_c10d_op", "watch_exchanges"]
 
 # c10d op name -> (kind, index of the argument holding the logical buffer or None)
 C10D_KINDS: dict[str, tuple[str, int | None]] = {
@@ -60,21 +65,37 @@ def process_group(args: tuple) -> dist.ProcessGroup | None:
 
 
 def describe_c10d_op(func, args: tuple) -> tuple[dist.ProcessGroup | None, str, int] | None:
-    """(group, kind, logical bytes) of one c10d op; None if it is not a collective or is
-    a message of an exchange counted elsewhere (each exchange is counted once, at its
-    send to the lowest other group rank)."""
-    if func.namespace != "c10d":
+    """(group, kind, logical bytes) of one c10d op; None if it is not a collective, is a
+    message of a pairwise exchange (exchanges report themselves: :func:`watch_exchanges`)
+    or sets up shared-memory links."""
+    if func.namespace != "c10d" or _shm.internal_ops_active():
         return None
     name = func._schema.name.split("::")[-1]
-    group = process_group(args)
-    if name in ("send", "recv_") and group is not None and args[-1] >> 24 in EXCHANGE_KINDS:
-        if name == "recv_" or args[2] != (1 if group.rank() == 0 else 0):
-            return None
-        kind = EXCHANGE_KINDS[args[-1] >> 24]
-        per_rank = 1 if kind == "all_reduce" else group.size()  # one chunk per rank
-        return group, kind, nbytes(args[0]) * per_rank
+    if name in ("send", "recv_") and args[-1] >> 24 in EXCHANGE_KINDS:
+        return None
     kind, arg = C10D_KINDS.get(name, (name, 0))
-    return group, kind, 0 if arg is None else nbytes(args[arg])
+    return process_group(args), kind, 0 if arg is None else nbytes(args[arg])
+
+
+class watch_exchanges:
+    """Context manager: calls ``fn(group, kind, logical bytes)`` for every pairwise
+    exchange the entering thread issues while active."""
+
+    def __init__(self, fn) -> None:
+        thread = threading.get_ident()
+
+        def observe(group: dist.ProcessGroup, kind: str, size: int) -> None:
+            if threading.get_ident() == thread:
+                fn(group, kind, size)
+
+        self._observe = observe
+
+    def __enter__(self) -> "watch_exchanges":
+        _collectives._OBSERVERS.append(self._observe)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _collectives._OBSERVERS.remove(self._observe)
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -87,11 +108,22 @@ class CollectiveCounter(TorchDispatchMode):
     def count(self, group: dist.ProcessGroup, kind: str) -> int:
         return self.counts.get((group.group_name, kind), [0, 0])[0]
 
+    def _add(self, group: dist.ProcessGroup | None, kind: str, size: int) -> None:
+        entry = self.counts.setdefault((group.group_name if group is not None else "", kind), [0, 0])
+        entry[0] += 1
+        entry[1] += size
+
+    def __enter__(self) -> "CollectiveCounter":
+        self._watch = watch_exchanges(self._add)
+        self._watch.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._watch.__exit__(*exc)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         described = describe_c10d_op(func, args)
         if described is not None:
-            group, kind, size = described
-            entry = self.counts.setdefault((group.group_name if group is not None else "", kind), [0, 0])
-            entry[0] += 1
-            entry[1] += size
+            self._add(*described)
         return func(*args, **(kwargs or {}))

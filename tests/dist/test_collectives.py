@@ -1,5 +1,7 @@
 """fsdp2d's pairwise-exchange collectives on gloo (``fsdp2d._collectives``) against
-gloo's native ones and against sums computed independently on the driver.
+gloo's native ones and against sums computed independently on the driver, over both
+transports: shared memory (``fsdp2d._shm``, the default on one host) and gloo's own
+``isend``/``irecv`` (the fallback).
 
 Every rank fills its input from a seed of its own rank, so the driver can rebuild every
 rank's input and compute the expected results exactly (float64 inputs and integer-valued
@@ -7,11 +9,13 @@ float32 sums are exact in any order; the float32 random case is compared with th
 native collective on the same data, and across ranks bit for bit).
 """
 
+import pytest
 import torch
 
-from .pool import capture_error, get_mesh
+from .pool import capture_error
 
 WORLD = 4
+_GROUPS: dict = {}  # per worker: transport -> (world group, tp group)
 
 
 def _input(rank: int, n: int, dtype=torch.float64) -> torch.Tensor:
@@ -19,16 +23,37 @@ def _input(rank: int, n: int, dtype=torch.float64) -> torch.Tensor:
     return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
 
 
-def job_exchanges():
+def _groups(transport: str):
+    """A 4-rank and a 2-rank (ranks 0-1 / 2-3) gloo group whose exchanges use
+    ``transport``, made once per worker (gloo groups are slow to make)."""
+    if transport not in _GROUPS:
+        import torch.distributed as dist
+        from fsdp2d import _collectives as C
+
+        world = dist.new_group(list(range(WORLD)))
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        tp = pairs[dist.get_rank() // 2]
+        old, C.USE_SHM = C.USE_SHM, transport == "shm"
+        try:
+            for g in (world, tp):  # a group's first exchange picks its transport
+                C._exchange_peers(g, torch.zeros(1))
+        finally:
+            C.USE_SHM = old
+        _GROUPS[transport] = (world, tp)
+    return _GROUPS[transport]
+
+
+def job_exchanges(transport: str):
     import torch.distributed as dist
     from fsdp2d import _collectives as C
     from fsdp2d.debug import CollectiveCounter
 
-    mesh = get_mesh((2, 2), ("dp", "tp"))
+    world, tp = _groups(transport)
     out = {}
-    for name, group in (("world", dist.group.WORLD), ("tp", mesh.get_group("tp"))):
+    for name, group in (("world", world), ("tp", tp)):
         k, me = dist.get_world_size(group), dist.get_rank(group)
-        assert C._exchange_peers(group, torch.zeros(1)) is not None
+        info = C._exchange_peers(group, torch.zeros(1))
+        assert info is not None and (info.links is not None) == (transport == "shm"), transport
         x = _input(dist.get_rank(), 6)  # 6 elements: all-gather output 6k
         gathered = torch.empty(6 * k, dtype=x.dtype)
         with CollectiveCounter() as counter:
@@ -42,12 +67,20 @@ def job_exchanges():
         b = C.reduce_scatter_into(b_out, torch.arange(k, dtype=torch.float32) + me, group, async_op=True)
         b.wait()
         a.wait()
+        # big messages, several in flight (the shared-memory rings must grow), waited in reverse
+        n = 300_000
+        bigs = [torch.empty(n * k) for _ in range(3)]
+        works = [C.all_gather_into(o, torch.full((n,), float(10 * i + me)), group, async_op=True)
+                 for i, o in enumerate(bigs)]
+        for w in reversed(works):
+            w.wait()
+        big_ok = all(torch.equal(o.view(k, n), (torch.arange(k) + 10.0 * i).unsqueeze(1).expand(k, n))
+                     for i, o in enumerate(bigs))
         out[name] = {"k": k, "me": me, "ranks": dist.get_process_group_ranks(group),
                      "gathered": gathered, "rs": rs_out, "ar": ar, "x_after": x,
-                     "async_ag": a_out, "async_rs": b_out,
+                     "async_ag": a_out, "async_rs": b_out, "big_ok": big_ok,
                      "counts": {kind: c for (g, kind), c in counter.counts.items() if g == group.group_name}}
     # float32 random data: the exchange equals gloo's own all-reduce / reduce-scatter
-    tp = mesh.get_group("tp")
     y = _input(dist.get_rank(), 1000, torch.float32)
     native = y.clone()
     dist.all_reduce(native, group=tp)
@@ -62,8 +95,9 @@ def job_exchanges():
     return out
 
 
-def test_exchanges_match_independent_sums_and_gloo(pool):
-    results = pool.run(job_exchanges)
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_exchanges_match_independent_sums_and_gloo(pool, transport):
+    results = pool.run(job_exchanges, transport)
     for rank, res in enumerate(results):
         for name in ("world", "tp"):
             r = res[name]
@@ -78,6 +112,7 @@ def test_exchanges_match_independent_sums_and_gloo(pool):
                 assert torch.equal(r["x_after"], _input(rank, 6))  # inplace=False left x alone
             assert torch.equal(r["async_ag"], torch.arange(k, dtype=torch.float32).repeat_interleave(2))
             assert r["async_rs"].item() == sum(me + j for j in range(k))  # chunk me of (arange(k) + j)
+            assert r["big_ok"], (rank, name)
             expect_counts = {"all_gather": [1, 6 * k * 8], "reduce_scatter": [1, 3 * k * 8]}
             if k == 2:
                 expect_counts["all_reduce"] = [1, 6 * 8]
@@ -89,3 +124,27 @@ def test_exchanges_match_independent_sums_and_gloo(pool):
         assert torch.equal(res["after_errors"], torch.full((2,), 2.0))
     for a, b in ((0, 1), (2, 3)):  # both TP ranks hold the bit-identical sum
         assert torch.equal(results[a]["f32"]["ar"], results[b]["f32"]["ar"])
+
+
+def job_transport_agreement():
+    """One rank has FSDP2D_SHM=0: every rank of a new group must fall back to gloo."""
+    import os
+
+    import torch.distributed as dist
+    from fsdp2d import _collectives as C
+
+    if dist.get_rank() == 3:
+        os.environ["FSDP2D_SHM"] = "0"
+    try:
+        group = dist.new_group(list(range(WORLD)))
+        out = torch.empty(2 * WORLD)
+        C.all_gather_into(out, torch.full((2,), float(dist.get_rank())), group)
+    finally:
+        os.environ.pop("FSDP2D_SHM", None)
+    return C._exchange_peers(group, out).links is None, out
+
+
+def test_one_rank_without_shared_memory_makes_all_fall_back(pool):
+    for no_links, out in pool.run(job_transport_agreement):
+        assert no_links
+        assert torch.equal(out, torch.arange(float(WORLD)).repeat_interleave(2))
