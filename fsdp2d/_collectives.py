@@ -76,26 +76,28 @@ class _Peers:
         except (ValueError, RuntimeError):  # not a registered group (a fake or custom one)
             backend = ""
         gloo = backend == "gloo" or "cpu:gloo" in backend.split(",")
-        self.group = group
         self.k, self.me = group_size(group), group_rank(group)
         self.exchange = gloo and 2 <= self.k <= EXCHANGE_MAX_RANKS
         self.others = [j for j in range(self.k) if j != self.me]  # group ranks
         self.seq = 0
-        self.links = _shm.connect(group) if self.exchange and USE_SHM else None  # collective
+        # collective, and agreed: USE_SHM or FSDP2D_SHM off on any rank turns it off for all
+        self.links = _shm.connect(group, enabled=USE_SHM) if self.exchange else None
+        # (no reference to the group: this object is the group's value in a weak dict)
 
-    def start(self, kind: str, logical_bytes: int, sends: dict[int, torch.Tensor],
+    def start(self, group: Group, kind: str, logical_bytes: int, sends: dict[int, torch.Tensor],
               into: dict[int, torch.Tensor | None], like: torch.Tensor) -> "_ShmPending | _GlooPending":
         """Send ``sends[j]`` to every peer j and receive one message of ``like``'s size and
-        dtype from each (into ``into[j]``, or a buffer of the transport's when None)."""
+        dtype from each (into ``into[j]``, or a buffer of the transport's shaped like
+        ``like`` when None). Bytes are what counts: shapes need not match across ranks."""
         self.seq += 1
         tag = _KIND_CODE[kind] << 24 | self.seq % (1 << 24)
         for observe in _OBSERVERS:
-            observe(self.group, kind, logical_bytes)
+            observe(group, kind, logical_bytes)
         if self.links is not None:
             for j, t in sends.items():
                 self.links.send(j, tag, t)
             return _ShmPending(self.links, tag, into, like)
-        return _GlooPending(self.group, tag, sends, into, like)
+        return _GlooPending(group, tag, sends, into, like)
 
 
 class _ShmPending:
@@ -107,16 +109,24 @@ class _ShmPending:
 
     def wait(self) -> dict[int, torch.Tensor]:
         """Every peer's message: ``into[j]``, or a view into the peer's ring (read it
-        before :meth:`release`)."""
-        got = {}
+        before :meth:`release`). If one peer's message is bad, the others are still
+        received and freed (the group stays in step), then the first error is raised."""
+        got, error = {}, None
         for j, dest in self.into.items():
-            view = self.links.recv(j, self.tag, self.like.dtype, self.like.numel()).view(self.like.shape)
+            try:
+                view = self.links.recv(j, self.tag, self.like.dtype, self.like.numel())
+            except ValueError as e:  # size mismatch: that message is already dropped
+                error = error or e
+                continue
             if dest is None:
-                got[j] = view
+                got[j] = view.view(self.like.shape)
                 self.held.append(j)
             else:
-                got[j] = dest.copy_(view)
+                got[j] = dest.copy_(view.view(dest.shape))
                 self.links.release(j, self.tag)
+        if error is not None:
+            self.release()
+            raise error
         return got
 
     def release(self) -> None:
@@ -172,9 +182,11 @@ class Exchange:
         pending, self._pending = self._pending, None
         if pending is not None:
             parts = pending.wait()
-            if self._finish is not None:
-                self._finish(parts)
-            pending.release()
+            try:
+                if self._finish is not None:
+                    self._finish(parts)
+            finally:
+                pending.release()
         return True
 
 
@@ -187,19 +199,21 @@ def _check(full: torch.Tensor, piece: torch.Tensor, k: int, what: str) -> None:
                          f"{piece.numel()}")
 
 
-def _exchange_all_gather(out: torch.Tensor, inp: torch.Tensor, info: _Peers) -> Exchange:
+def _exchange_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, info: _Peers) -> Exchange:
     n, me = inp.numel(), info.me
     _check(out, inp, info.k, "all_gather_into")
-    pending = info.start("all_gather", out.numel() * out.element_size(), {j: inp for j in info.others},
+    out, inp = out.view(-1), inp.view(-1)  # only the bytes matter (as with gloo's collective)
+    pending = info.start(group, "all_gather", out.numel() * out.element_size(), {j: inp for j in info.others},
                          {j: out[j * n:(j + 1) * n] for j in info.others}, inp)
     out[me * n:(me + 1) * n].copy_(inp)
     return Exchange(pending)
 
 
-def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, info: _Peers) -> Exchange:
+def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, info: _Peers) -> Exchange:
     n, me = out.numel(), info.me
     _check(inp, out, info.k, "reduce_scatter_into")
-    pending = info.start("reduce_scatter", inp.numel() * inp.element_size(),
+    out, inp = out.view(-1), inp.view(-1)
+    pending = info.start(group, "reduce_scatter", inp.numel() * inp.element_size(),
                          {j: inp[j * n:(j + 1) * n] for j in info.others}, dict.fromkeys(info.others), out)
 
     def finish(parts: dict[int, torch.Tensor]) -> None:  # sum in group-rank order
@@ -211,22 +225,24 @@ def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, info: _Peers)
     return Exchange(pending, finish)
 
 
-def _exchange_all_reduce(x: torch.Tensor, info: _Peers, inplace: bool) -> torch.Tensor:
-    """Two ranks: swap the whole tensor, then add the peer's to ours (into ``x`` when
-    ``inplace``). Both ranks get the same bits: IEEE addition is commutative."""
+def _exchange_all_reduce(x: torch.Tensor, group: Group, info: _Peers, inplace: bool) -> torch.Tensor:
+    """Two ranks: swap the whole tensor, then ``rank0's + rank1's`` on both (into ``x``
+    when ``inplace``): the same operands in the same order, so the same bits."""
     [peer] = info.others
-    pending = info.start("all_reduce", x.numel() * x.element_size(), {peer: x}, {peer: None}, x)
+    pending = info.start(group, "all_reduce", x.numel() * x.element_size(), {peer: x}, {peer: None}, x)
     other = pending.wait()[peer]  # x is no longer needed by the transport: sent or copied
-    out = x.add_(other) if inplace else torch.add(x, other)
-    pending.release()
-    return out
+    try:
+        out = x if inplace else torch.empty_like(x)
+        return torch.add(x, other, out=out) if info.me == 0 else torch.add(other, x, out=out)
+    finally:
+        pending.release()
 
 
 def _run(exchange: Callable, native: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group,
          async_op: bool) -> Any:
     info = _exchange_peers(group, inp)
     if info is not None:
-        work = exchange(out, inp, info)
+        work = exchange(out, inp, group, info)
     else:
         work = native(out, inp, group=group, async_op=True)
     if async_op:
@@ -255,7 +271,7 @@ def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
     x = x.contiguous()
     info = _exchange_peers(group, x) if op == dist.ReduceOp.SUM and group_size(group) == 2 else None
     if info is not None:
-        return _exchange_all_reduce(x, info, inplace)
+        return _exchange_all_reduce(x, group, info, inplace)
     if not inplace:
         x = x.clone()
     dist.all_reduce(x, op=op, group=group)

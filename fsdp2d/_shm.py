@@ -18,16 +18,23 @@ through shared memory instead, as NCCL's SHM transport does for GPUs:
   it (``SCM_RIGHTS``), so nothing is ever named in the filesystem and nothing is left
   behind when a process dies.
 
-The sender never blocks (it grows the ring instead of waiting for acks), so as long as
-all ranks issue the same exchanges in the same order (the contract of every collective)
-no rank can deadlock; the receiver blocks in ``poll`` on the socket until the data
-token arrives, for at most the process group timeout. A peer that exits closes its
-sockets, and a waiting rank fails at once with an error naming the peer.
+The sender never waits for acks (it grows the ring instead), acks wait in a queue
+when the socket is full, and a data token that finds the socket full reads the peer's
+tokens while it waits for room, so as long as all ranks issue the same exchanges in
+the same order (the contract of every collective) two ranks cannot block each other;
+the receiver blocks in ``poll`` until the data token arrives, for at most the process
+group's timeout. (A socket holds ~270 unread tokens: a rank that issues more than ~270
+exchanges to one peer while that peer is blocked in a collective on another group
+would wait for it.) A peer that exits closes its
+sockets, and a waiting rank fails at once with an error naming the peer. A ring far
+larger than the messages of the moment (after a one-off big message, e.g. a checkpoint
+gather) is replaced by a small one once it is idle.
 
 Setup (:func:`connect`) is collective over the group, runs at the group's first
 exchange, and agrees on the outcome: if any rank is on another host, cannot create
 sockets or ``FSDP2D_SHM=0`` is set anywhere, every rank falls back to gloo's
-point-to-point messages. Links are not thread-safe: issue a group's exchanges from one
+point-to-point messages. Each connection is checked against the peer's process id
+(``SO_PEERCRED``), so another local process cannot pose as a rank. Links are not thread-safe: issue a group's exchanges from one
 thread at a time (the order contract needs that anyway).
 """
 
@@ -52,8 +59,10 @@ _DATA, _ACK = 0, 1
 _ALIGN = 4096  # message offsets and sizes: pages (aligned for any dtype; similar sizes reuse places)
 _MIN_RING = 1 << 18
 _GROW_STEP = 1 << 16
+_SHRINK_ABOVE = 32 << 20  # an idle ring this big and > 4x the next message is replaced
 _ACCEPT_TIMEOUT_S = 20.0
-_TIMEOUT_MS = int(dist.default_pg_timeout.total_seconds() * 1000)
+_SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
+_RECV_FLAGS = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 
 # This process's mapped rings, for tools that account memory (see benchmarks/).
 _RINGS: "weakref.WeakValueDictionary[int, _Ring]" = weakref.WeakValueDictionary()
@@ -85,9 +94,18 @@ def _host_id() -> int:
     return zlib.crc32(f"{socket.gethostname()}|{boot}".encode()) & 0x7FFFFFFF
 
 
-def _enabled() -> bool:
+def _available() -> bool:
     return (os.environ.get("FSDP2D_SHM", "1") != "0" and sys.platform.startswith("linux")
-            and hasattr(os, "memfd_create") and hasattr(socket, "send_fds"))
+            and hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(socket, "SO_PEERCRED"))
+
+
+def _timeout_ms(group: dist.ProcessGroup) -> int:
+    """The group's own timeout (what gloo would wait), else torch's default."""
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        timeout = dist.default_pg_timeout
+    return int(timeout.total_seconds() * 1000)
 
 
 class _Ring:
@@ -104,27 +122,32 @@ class _Ring:
 
 
 def _new_ring(size: int, where: str) -> tuple[int, _Ring]:
+    """A new send ring and an fd of it to pass to the peer."""
     fd = os.memfd_create("fsdp2d-ring", os.MFD_CLOEXEC)
     try:
         os.posix_fallocate(fd, 0, size)  # ENOSPC/ENOMEM now, not SIGBUS on a later write
-        dup = os.dup(fd)
+        ring = _Ring(os.dup(fd), size, mine=True)
     except OSError as e:
         os.close(fd)
         raise RuntimeError(f"fsdp2d: cannot allocate a {size}-byte shared-memory ring for {where}: {e}. "
                            "Free memory, or set FSDP2D_SHM=0 to send over gloo's TCP transport") from None
-    return fd, _Ring(dup, size, mine=True)
+    return fd, ring
 
 
 class _Link:
     """This rank <-> one peer: our send ring and its bookkeeping, the peer's rings as
     mapped here, and the socket carrying both directions' tokens."""
 
-    def __init__(self, sock: socket.socket, where: str) -> None:
-        self.sock, self.where = sock, where
-        self.poll = select.poll()
-        self.poll.register(sock, select.POLLIN)
+    def __init__(self, sock: socket.socket, where: str, timeout_ms: int = 30 * 60 * 1000) -> None:
+        sock.setblocking(True)
+        self.sock, self.where, self.timeout_ms = sock, where, timeout_ms
+        self.poll_in = select.poll()
+        self.poll_in.register(sock, select.POLLIN)
+        self.poll_io = select.poll()
+        self.poll_io.register(sock, select.POLLIN | select.POLLOUT)
         self.rx = bytearray()
         self.fds: list[int] = []  # received ring fds, in generation order
+        self.acks = bytearray()  # ACK bytes not written yet (the socket was full)
         # send side: current ring and its generation, its unacked messages, older rings
         self.gen, self.ring = -1, None
         self.live: dict[int, tuple[int, int]] = {}  # tag -> (start, end) in the ring
@@ -132,15 +155,19 @@ class _Link:
         # receive side
         self.arrived: dict[int, tuple[int, int, int]] = {}  # tag -> (gen, offset, nbytes)
         self.rings: dict[int, _Ring] = {}  # peer's rings, by generation
-        self.closed = False
+        self.broken: str | None = None  # why the link can no longer be used
+
+    def _fail(self, why: str) -> RuntimeError:
+        self.broken = self.broken or why
+        return RuntimeError(f"fsdp2d: {self.where} {self.broken}")
 
     # -- sending -------------------------------------------------------------------
     def send(self, tag: int, t: torch.Tensor) -> None:
+        if self.broken:
+            raise self._fail(self.broken)
         nbytes = t.numel() * t.element_size()
-        fd = None
-        if nbytes == 0:
-            off, gen = 0, max(self.gen, 0)
-        else:
+        fd, off = None, 0
+        if nbytes:
             off = self._fit(nbytes)
             if off is None:
                 self._pump(block=False)  # acks may be waiting: collect them and retry
@@ -149,44 +176,38 @@ class _Link:
                 fd = self._grow(nbytes)
                 off = 0
             self.live[tag] = (off, off + _round(nbytes))
-            self.ring.buf[off:off + nbytes].view(t.dtype).copy_(t.reshape(-1))
-            gen = self.gen
-        token = _TOKEN.pack(_DATA, gen, tag, off, nbytes)
-        try:
-            if fd is None:
-                self.sock.sendall(token)
-            else:
-                try:
-                    socket.send_fds(self.sock, [token], [fd])
-                finally:
+            try:
+                self.ring.buf[off:off + nbytes].view(t.dtype).copy_(t.reshape(-1))
+            except BaseException:
+                if fd is not None:  # the peer will never see this ring: the link is out of step
                     os.close(fd)
-        except OSError as e:
-            raise RuntimeError(f"fsdp2d: {self.where} is gone ({e}): the peer process exited or failed") from None
+                    self.broken = "is out of step: a send to it failed halfway"
+                raise
+        self._write(_TOKEN.pack(_DATA, max(self.gen, 0), tag, off, nbytes), fd)
 
     def _fit(self, nbytes: int) -> int | None:
         """Lowest offset with ``nbytes`` free in the current ring (first fit between the
         unacked messages; sizes are rounded to pages, so a message of about the size of
-        a freed one reuses its place)."""
-        if self.ring is None:
+        a freed one reuses its place). None also when an idle ring is far too big."""
+        ring, need = self.ring, _round(nbytes)
+        if ring is None or (not self.live and ring.size > max(_SHRINK_ABOVE, 4 * need)):
             return None
-        need, pos = _round(nbytes), 0
+        pos = 0
         for start, end in sorted(self.live.values()):
             if start - pos >= need:
                 return pos
             pos = max(pos, end)
-        return pos if self.ring.size - pos >= need else None
+        return pos if ring.size - pos >= need else None
 
     def _grow(self, nbytes: int) -> int:
-        """Start a new, bigger ring, large enough for everything in flight now; the old
-        one lives on (retired) until its messages are acked. Returns the new ring's fd."""
-        old = self.ring.size if self.ring is not None else 0
+        """Start a new ring, large enough for everything in flight now plus 25%; the
+        old one lives on (retired) until its messages are acked. Returns the new
+        ring's fd, which the caller passes to the peer with this message's token."""
+        need = _round(nbytes) + sum(end - start for start, end in self.live.values())
+        fd, ring = _new_ring(max(_MIN_RING, _round(need * 5 // 4, _GROW_STEP)), self.where)
         if self.live:
             self.retired[self.gen] = (self.ring, set(self.live))
-        need = _round(nbytes) + sum(end - start for start, end in self.live.values())
-        size = max(_MIN_RING, _round(max(need, old + 1) * 5 // 4, _GROW_STEP))  # 25% slack
-        fd, self.ring = _new_ring(size, self.where)
-        self.gen += 1
-        self.live = {}
+        self.ring, self.gen, self.live = ring, self.gen + 1, {}
         return fd
 
     def _acked(self, gen: int, tag: int) -> None:
@@ -199,10 +220,39 @@ class _Link:
             if not retired[1]:
                 del self.retired[gen]  # its last message was read: unmap it
 
+    def _write(self, token: bytes, fd: int | None = None) -> None:
+        """Send queued ACKs, then one token (with ``fd`` attached). Waits for room in
+        the socket only by reading the peer's tokens meanwhile, so two ranks writing to
+        each other cannot jam."""
+        if self.acks:
+            token, self.acks = bytes(self.acks) + token, bytearray()
+        view = memoryview(token)
+        try:
+            while view:
+                try:
+                    if fd is not None:
+                        sent = socket.send_fds(self.sock, [view], [fd], _SEND_FLAGS)
+                        os.close(fd)
+                        fd = None
+                    else:
+                        sent = self.sock.send(view, _SEND_FLAGS)
+                    view = view[sent:]
+                except BlockingIOError:  # the socket is full: read while waiting for room
+                    events = self.poll_io.poll(self.timeout_ms)
+                    if not events:
+                        raise self._fail(f"made no room to send in {self.timeout_ms / 1000:.0f} s") from None
+                    if any(ev & select.POLLIN for _, ev in events):
+                        self._pump(block=False)
+        except OSError as e:
+            raise self._fail(f"is gone ({e}): the peer process exited or failed") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
+
     # -- receiving -----------------------------------------------------------------
     def recv(self, tag: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The peer's message ``tag`` as a read-only view into its ring: valid until
-        :meth:`release`."""
+        """The peer's message ``tag``, flat, as a view into the peer's ring: read it
+        before :meth:`release`."""
         while tag not in self.arrived:
             self._pump(block=True, waiting_for=tag)
         gen, off, nbytes = self.arrived[tag]
@@ -217,48 +267,73 @@ class _Link:
         return self.rings[gen].buf[off:off + nbytes].view(dtype)
 
     def release(self, tag: int) -> None:
+        """Done with message ``tag``: ack it. Never blocks: an ACK only lets the peer
+        reuse ring space (it grows the ring rather than wait), so when the socket is
+        full the ACK waits in a queue, sent before this link's next token."""
         gen, _off, nbytes = self.arrived.pop(tag)
         if nbytes:
+            self._drop_old_rings()
+            self.acks += _TOKEN.pack(_ACK, gen, tag, 0, 0)
+            self._flush_acks()
+
+    def _flush_acks(self) -> None:
+        while self.acks and not self.broken:
             try:
-                self.sock.sendall(_TOKEN.pack(_ACK, gen, tag, 0, 0))
-            except OSError:
-                pass  # the peer is gone; whoever waits on it next reports that
-            if gen != max(self.rings) and not any(g == gen for g, _, _ in self.arrived.values()):
-                del self.rings[gen]  # an older ring with nothing left to read
+                sent = self.sock.send(self.acks, _SEND_FLAGS)
+            except BlockingIOError:
+                return
+            except OSError:  # the peer is gone: whoever waits on it next reports that
+                self.acks.clear()
+                return
+            del self.acks[:sent]
+
+    def _drop_old_rings(self) -> None:
+        """Unmap the peer's rings older than its newest that hold nothing unread."""
+        newest = max(self.rings, default=-1)
+        pending = {g for g, _, n in self.arrived.values() if n}
+        for gen in [g for g in self.rings if g != newest and g not in pending]:
+            del self.rings[gen]
 
     def _pump(self, block: bool, waiting_for: int | None = None) -> None:
         """Read what the peer sent (tokens, ring fds) and file it: with ``block``, until
         message ``waiting_for`` is in (at most the process group timeout), else until
         nothing more is waiting."""
+        if self.broken:
+            raise self._fail(self.broken)
+        self._flush_acks()
         while True:
-            if not self.poll.poll(_TIMEOUT_MS if block else 0):
+            if not self.poll_in.poll(self.timeout_ms if block else 0):
                 if block:
                     raise TimeoutError(f"fsdp2d: no message from {self.where} in "
-                                       f"{_TIMEOUT_MS / 1000:.0f} s (exchange tag {waiting_for:#x})")
+                                       f"{self.timeout_ms / 1000:.0f} s (exchange tag {waiting_for:#x})")
                 return
             try:
-                data, fds, flags, _ = socket.recv_fds(self.sock, 1 << 16, 8)
-            except OSError as e:
+                data, fds, flags, _ = socket.recv_fds(self.sock, 1 << 16, 8, _RECV_FLAGS)
+            except ConnectionResetError:
                 data, fds, flags = b"", [], 0
-                if not isinstance(e, ConnectionResetError):
-                    raise
+            except OSError as e:
+                raise self._fail(f"cannot be read ({e})") from None
             self.fds.extend(fds)
             if flags & socket.MSG_CTRUNC:
-                raise RuntimeError(f"fsdp2d: ring descriptors from {self.where} were truncated")
+                raise self._fail("sent ring descriptors that were truncated (too many open files?)")
             if not data:
-                raise RuntimeError(f"fsdp2d: {self.where} closed its link: the peer process exited "
-                                   f"or failed while this rank waited for exchange tag {waiting_for:#x}"
-                                   if waiting_for is not None else f"fsdp2d: {self.where} closed its link")
+                raise self._fail("closed its link: the peer process exited or failed"
+                                 + (f" while this rank waited for exchange tag {waiting_for:#x}"
+                                    if waiting_for is not None else ""))
             self.rx += data
             usable = len(self.rx) - len(self.rx) % _TOKEN.size
+            new_ring = False
             for kind, gen, tag, off, nbytes in _TOKEN.iter_unpack(memoryview(self.rx)[:usable]):
                 if kind == _DATA:
                     self.arrived[tag] = (gen, off, nbytes)
                     if nbytes and gen not in self.rings:  # a new ring: its fd came with this token
                         self.rings[gen] = _Ring(self.fds.pop(0), 0, mine=False)
+                        new_ring = True
                 else:
                     self._acked(gen, tag)
             del self.rx[:usable]
+            if new_ring:
+                self._drop_old_rings()
             if block and waiting_for in self.arrived:
                 return
 
@@ -289,58 +364,78 @@ def _agree(ok: bool, group: dist.ProcessGroup) -> bool:
     return bool(flag.item())
 
 
-def connect(group: dist.ProcessGroup) -> Links | None:
+def connect(group: dist.ProcessGroup, enabled: bool = True) -> Links | None:
     """Collective over ``group`` (all ranks, same point in their programs): links to every
-    other rank if all are on this host and can make them, else None on every rank."""
+    other rank if all are on this host, enabled, and can make them; else None on every
+    rank."""
     _INTERNAL.depth = getattr(_INTERNAL, "depth", 0) + 1
     try:
-        return _connect(group)
+        return _connect(group, enabled and _available())
     finally:
         _INTERNAL.depth -= 1
 
 
-def _connect(group: dist.ProcessGroup) -> Links | None:
+def _connect(group: dist.ProcessGroup, enabled: bool) -> Links | None:
     k, me = group.size(), group.rank()
-    mine = torch.tensor([_host_id(), int(_enabled()), secrets.randbits(62)], dtype=torch.int64)
-    rows = torch.empty(k * 3, dtype=torch.int64)
+    mine = torch.tensor([_host_id(), int(enabled), secrets.randbits(62), os.getpid()], dtype=torch.int64)
+    rows = torch.empty(k * 4, dtype=torch.int64)
     dist.all_gather_single(rows, mine, group=group)
-    rows = rows.view(k, 3)
+    rows = rows.view(k, 4)
     if not (bool(rows[:, 1].all()) and bool((rows[:, 0] == rows[0, 0]).all())):
         return None
+    pids = rows[:, 3].tolist()
     name = f"\0fsdp2d-{int(rows[0, 2]):x}-"  # Linux abstract socket names: no file to clean up
-    listener, socks, ok = None, {}, True
+    listener, socks = None, {}
     try:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(f"{name}{me}")
-        listener.listen(k)
-    except OSError:
-        ok = False
-    try:
-        if _agree(ok, group):
-            try:  # connect to higher ranks (completes from the backlog), accept lower ones
-                for j in range(me + 1, k):
-                    s = socks[j] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    s.connect(f"{name}{j}")
-                    s.sendall(struct.pack("<q", me))
-                listener.settimeout(_ACCEPT_TIMEOUT_S)
-                for _ in range(me):
-                    s, _addr = listener.accept()
-                    s.settimeout(_ACCEPT_TIMEOUT_S)
+        try:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(f"{name}{me}")
+            listener.listen(k)
+            ok = True
+        except OSError:
+            ok = False
+        if not _agree(ok, group):
+            return None
+        try:  # connect to higher ranks (completes from the backlog), accept lower ones
+            for j in range(me + 1, k):
+                s = socks[j] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(_ACCEPT_TIMEOUT_S)
+                s.connect(f"{name}{j}")
+                ok = ok and _peer_pid(s) == pids[j]
+                s.sendall(struct.pack("<q", me))
+            listener.settimeout(_ACCEPT_TIMEOUT_S)
+            while ok and len(socks) < k - 1:
+                s, _addr = listener.accept()
+                s.settimeout(_ACCEPT_TIMEOUT_S)
+                try:
                     j = struct.unpack("<q", _recv_exactly(s, 8))[0]
-                    s.settimeout(None)
-                    socks[j] = s
-                ok = sorted(socks) == [j for j in range(k) if j != me]
-            except (OSError, struct.error):
-                ok = False
-            if _agree(ok, group):
-                where = f"group rank {{}} of process group {getattr(group, 'group_name', '?')!r}"
-                return Links({j: _Link(s, where.format(j)) for j, s in socks.items()})
-        for s in socks.values():
-            s.close()
+                except (OSError, struct.error):
+                    s.close()
+                    raise
+                if not (0 <= j < me) or j in socks or _peer_pid(s) != pids[j]:
+                    s.close()  # not the rank it claims to be: another local process
+                    continue
+                socks[j] = s
+        except OSError:
+            ok = False
+        if _agree(ok, group):
+            timeout_ms = _timeout_ms(group)
+            gname = getattr(group, "group_name", "?")
+            links = Links({j: _Link(s, f"group rank {j} of process group {gname!r}", timeout_ms)
+                           for j, s in socks.items()})
+            socks = {}
+            return links
         return None
     finally:
+        for s in socks.values():
+            s.close()
         if listener is not None:
             listener.close()
+
+
+def _peer_pid(s: socket.socket) -> int:
+    pid, _uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid
 
 
 def _recv_exactly(s: socket.socket, n: int) -> bytes:

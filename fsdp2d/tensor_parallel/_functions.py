@@ -45,7 +45,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_reduce(grad, ctx.group), None
+        return C.all_reduce(grad, ctx.group, inplace=False), None  # autograd may share grad with other nodes
 
 
 class _ReduceFromTP(torch.autograd.Function):

@@ -76,7 +76,9 @@ def job_exchanges(transport: str):
             w.wait()
         big_ok = all(torch.equal(o.view(k, n), (torch.arange(k) + 10.0 * i).unsqueeze(1).expand(k, n))
                      for i, o in enumerate(bigs))
-        out[name] = {"k": k, "me": me, "ranks": dist.get_process_group_ranks(group),
+        shaped = torch.empty(6 * k)  # a (2, 3) input: only the bytes matter, as with gloo
+        C.all_gather_into(shaped, torch.arange(6.0).view(2, 3) + me, group)
+        out[name] = {"k": k, "me": me, "ranks": dist.get_process_group_ranks(group), "shaped": shaped,
                      "gathered": gathered, "rs": rs_out, "ar": ar, "x_after": x,
                      "async_ag": a_out, "async_rs": b_out, "big_ok": big_ok,
                      "counts": {kind: c for (g, kind), c in counter.counts.items() if g == group.group_name}}
@@ -113,6 +115,7 @@ def test_exchanges_match_independent_sums_and_gloo(pool, transport):
             assert torch.equal(r["async_ag"], torch.arange(k, dtype=torch.float32).repeat_interleave(2))
             assert r["async_rs"].item() == sum(me + j for j in range(k))  # chunk me of (arange(k) + j)
             assert r["big_ok"], (rank, name)
+            assert torch.equal(r["shaped"], torch.cat([torch.arange(6.0) + j for j in range(k)]))
             expect_counts = {"all_gather": [1, 6 * k * 8], "reduce_scatter": [1, 3 * k * 8]}
             if k == 2:
                 expect_counts["all_reduce"] = [1, 6 * 8]

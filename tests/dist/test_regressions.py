@@ -3,7 +3,7 @@
 FSDP state after an exception in backward, unused and re-frozen parameters, parameters
 replaced in place (``to_empty``/``.double()``), stale unsharded weights, uneven sequence
 parallel, shared style objects, checkpoint error paths that used to hang, fp64 loss
-parallel.
+parallel, a backward all-reduce that wrote into a gradient autograd shares.
 """
 
 import copy
@@ -141,6 +141,30 @@ def job_tp() -> dict:
         loss = F.cross_entropy(head(h), y)
     res["fp64_loss"] = abs(loss.item() - F.cross_entropy(ref(h), y).item())
     return res
+
+
+def job_shared_grad() -> dict:
+    """copy_to_tp's backward all-reduce must not write into the incoming gradient:
+    autograd hands the same tensor to every input of an add."""
+    from fsdp2d.tensor_parallel import copy_to_tp
+
+    res = {}
+    for shape in ((2, 2), (1, 4)):  # TP of 2 (pairwise exchange) and of 4 (gloo all-reduce)
+        group = get_mesh(shape, ("dp", "tp"))["tp"].get_group()
+        x, w = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+        c = torch.tensor([1.0, 2.0, 3.0])
+        u = w.exp()  # created first, so its backward runs after copy_to_tp's
+        ((copy_to_tp(x, group=group) + u) * c).sum().backward()
+        res[shape[1]] = (w.grad, x.grad)
+    return res
+
+
+def test_backward_all_reduce_leaves_shared_gradients_alone(pool):
+    c = torch.tensor([1.0, 2.0, 3.0])
+    for r in pool.run(job_shared_grad):
+        for k, (w_grad, x_grad) in r.items():
+            torch.testing.assert_close(w_grad, c * torch.e, rtol=1e-6, atol=0)  # not the summed gradient
+            assert torch.equal(x_grad, c * k)
 
 
 def test_tensor_parallel_regressions(pool):

@@ -6,6 +6,7 @@ ring). Multi-rank behaviour (setup, agreement, collectives on top) is tested in
 tests/dist/test_collectives.py.
 """
 
+import os
 import socket
 import sys
 
@@ -105,8 +106,62 @@ def test_closed_peer_fails_at_once(ends):
         b.send(9, torch.ones(1))
 
 
-def test_missing_message_times_out(ends, monkeypatch):
-    monkeypatch.setattr(_shm, "_TIMEOUT_MS", 50)
+def test_missing_message_times_out(ends):
     _a, b = ends
+    b.timeout_ms = 50
     with pytest.raises(TimeoutError, match="no message from end a"):
         b.recv(4, torch.float32, 1)
+
+
+def test_receiver_unmaps_rings_it_finished_with(ends):
+    a, b = ends
+    for tag, n in enumerate([10_000, 100_000, 300_000, 1_000_000], 1):  # each outgrows the ring
+        _exchange(a, b, tag, torch.ones(n))
+    assert a.gen == 3 and list(b.rings) == [3]
+
+
+def test_idle_oversized_ring_is_replaced(ends, monkeypatch):
+    monkeypatch.setattr(_shm, "_SHRINK_ABOVE", 1 << 20)
+    a, b = ends
+    _exchange(a, b, 1, torch.ones(1_000_000))  # a one-off 4 MB message
+    assert a.ring.size >= 4_000_000
+    _exchange(a, b, 2, torch.ones(1000))
+    assert a.ring.size == _shm._MIN_RING and list(b.rings) == [a.gen]
+
+
+def test_two_ends_flooding_each_other_do_not_jam(ends):
+    """Each end issues more messages than a socket buffers, waits for them in reverse,
+    then meets the other at a barrier (a collective on another group): tokens that do
+    not fit must neither block the sender forever nor be lost."""
+    import threading
+
+    for end in ends:
+        end.timeout_ms = 20_000
+    n, rounds = 600, 2
+    barrier, errors = threading.Barrier(2, timeout=30), []
+
+    def rank(end, me):
+        try:
+            for r in range(rounds):
+                tags = range(r * n, (r + 1) * n)
+                for tag in tags:
+                    end.send(tag, torch.full((16,), float(me)))
+                for tag in reversed(tags):
+                    assert end.recv(tag, torch.float32, 16)[0].item() == 1 - me
+                    end.release(tag)
+                barrier.wait()
+        except BaseException as e:  # noqa: B036 - reported to the main thread
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(end, me), daemon=True) for me, end in enumerate(ends)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+
+
+def test_peer_credentials_name_this_process(ends):
+    a, _b = ends
+    assert _shm._peer_pid(a.sock) == os.getpid()
