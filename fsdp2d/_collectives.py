@@ -112,18 +112,22 @@ class _ShmPending:
         before :meth:`release`). If one peer's message is bad, the others are still
         received and freed (the group stays in step), then the first error is raised."""
         got, error = {}, None
-        for j, dest in self.into.items():
-            try:
-                view = self.links.recv(j, self.tag, self.like.dtype, self.like.numel())
-            except ValueError as e:  # size mismatch: that message is already dropped
-                error = error or e
-                continue
-            if dest is None:
-                got[j] = view.view(self.like.shape)
-                self.held.append(j)
-            else:
-                got[j] = dest.copy_(view.view(dest.shape))
-                self.links.release(j, self.tag)
+        try:
+            for j, dest in self.into.items():
+                try:
+                    view = self.links.recv(j, self.tag, self.like.dtype, self.like.numel())
+                except ValueError as e:  # size mismatch: that message is already dropped
+                    error = error or e
+                    continue
+                if dest is None:
+                    got[j] = view.view(self.like.shape)
+                    self.held.append(j)
+                else:
+                    got[j] = dest.copy_(view.view(dest.shape))
+                    self.links.release(j, self.tag)
+        except BaseException:
+            self.release()
+            raise
         if error is not None:
             self.release()
             raise error
@@ -232,8 +236,9 @@ def _exchange_all_reduce(x: torch.Tensor, group: Group, info: _Peers, inplace: b
     pending = info.start(group, "all_reduce", x.numel() * x.element_size(), {peer: x}, {peer: None}, x)
     other = pending.wait()[peer]  # x is no longer needed by the transport: sent or copied
     try:
-        out = x if inplace else torch.empty_like(x)
-        return torch.add(x, other, out=out) if info.me == 0 else torch.add(other, x, out=out)
+        if not inplace:  # (out= would not be differentiable)
+            return torch.add(x, other) if info.me == 0 else torch.add(other, x)
+        return torch.add(x, other, out=x) if info.me == 0 else torch.add(other, x, out=x)
     finally:
         pending.release()
 

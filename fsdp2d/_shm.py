@@ -34,7 +34,9 @@ Setup (:func:`connect`) is collective over the group, runs at the group's first
 exchange, and agrees on the outcome: if any rank is on another host, cannot create
 sockets or ``FSDP2D_SHM=0`` is set anywhere, every rank falls back to gloo's
 point-to-point messages. Each connection is checked against the peer's process id
-(``SO_PEERCRED``), so another local process cannot pose as a rank. Links are not thread-safe: issue a group's exchanges from one
+(``SO_PEERCRED``), so another local process cannot pose as a rank (ranks in different
+pid namespaces, e.g. containers sharing a network namespace, therefore fall back to
+gloo, after a 20 s wait for connections that never pass the check). Links are not thread-safe: issue a group's exchanges from one
 thread at a time (the order contract needs that anyway).
 """
 
@@ -48,6 +50,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import weakref
 import zlib
 
@@ -59,7 +62,8 @@ _DATA, _ACK = 0, 1
 _ALIGN = 4096  # message offsets and sizes: pages (aligned for any dtype; similar sizes reuse places)
 _MIN_RING = 1 << 18
 _GROW_STEP = 1 << 16
-_SHRINK_ABOVE = 32 << 20  # an idle ring this big and > 4x the next message is replaced
+_SHRINK_ABOVE = 32 << 20  # an idle ring this big and > 4x the messages is replaced ...
+_SHRINK_AFTER = 16  # ... after this many such sends in a row (no thrash between big and small)
 _ACCEPT_TIMEOUT_S = 20.0
 _SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
 _RECV_FLAGS = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
@@ -105,7 +109,7 @@ def _timeout_ms(group: dist.ProcessGroup) -> int:
         timeout = group._get_backend(torch.device("cpu")).options._timeout
     except (AttributeError, RuntimeError):
         timeout = dist.default_pg_timeout
-    return int(timeout.total_seconds() * 1000)
+    return min(int(timeout.total_seconds() * 1000), 2**31 - 1)  # poll() takes a C int
 
 
 class _Ring:
@@ -143,8 +147,7 @@ class _Link:
         self.sock, self.where, self.timeout_ms = sock, where, timeout_ms
         self.poll_in = select.poll()
         self.poll_in.register(sock, select.POLLIN)
-        self.poll_io = select.poll()
-        self.poll_io.register(sock, select.POLLIN | select.POLLOUT)
+        self.set_siblings([self])
         self.rx = bytearray()
         self.fds: list[int] = []  # received ring fds, in generation order
         self.acks = bytearray()  # ACK bytes not written yet (the socket was full)
@@ -156,6 +159,33 @@ class _Link:
         self.arrived: dict[int, tuple[int, int, int]] = {}  # tag -> (gen, offset, nbytes)
         self.rings: dict[int, _Ring] = {}  # peer's rings, by generation
         self.broken: str | None = None  # why the link can no longer be used
+        self.oversized = 0  # sends in a row that found the idle ring far too big
+
+    def set_siblings(self, links: list["_Link"]) -> None:
+        """This rank's links in the same group (self included). Whenever this link has
+        to wait (for the peer's data, or for room to write), it reads every sibling's
+        tokens too: with 3+ ranks, A waiting on B waiting on C waiting on A must not
+        jam because each reads only the link it waits on."""
+        self.by_fd = {link.sock.fileno(): link for link in links}
+        self.poll_any = select.poll()  # readable siblings, or room on our own socket
+        for fd in self.by_fd:
+            self.poll_any.register(fd, select.POLLIN)
+
+    def _wait_any(self, writing: bool, timeout_ms: int | None = None) -> bool:
+        """Block until a sibling is readable (read it) or, ``writing``, our socket has
+        room. False on timeout."""
+        me = self.sock.fileno()
+        if writing:
+            self.poll_any.modify(me, select.POLLIN | select.POLLOUT)
+        try:
+            events = self.poll_any.poll(self.timeout_ms if timeout_ms is None else timeout_ms)
+        finally:
+            if writing:
+                self.poll_any.modify(me, select.POLLIN)
+        for fd, ev in events:
+            if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                self.by_fd[fd]._pump(block=False)
+        return bool(events)
 
     def _fail(self, why: str) -> RuntimeError:
         self.broken = self.broken or why
@@ -173,12 +203,18 @@ class _Link:
                 self._pump(block=False)  # acks may be waiting: collect them and retry
                 off = self._fit(nbytes)
             if off is None:
-                fd = self._grow(nbytes)
+                idle_fits = self.ring is not None and not self.live and self.ring.size >= _round(nbytes)
+                try:
+                    fd = self._grow(nbytes)
+                except RuntimeError:
+                    if not idle_fits:  # (only a shrink may fail softly: keep the big ring)
+                        raise
                 off = 0
             self.live[tag] = (off, off + _round(nbytes))
             try:
                 self.ring.buf[off:off + nbytes].view(t.dtype).copy_(t.reshape(-1))
             except BaseException:
+                self.live.pop(tag, None)
                 if fd is not None:  # the peer will never see this ring: the link is out of step
                     os.close(fd)
                     self.broken = "is out of step: a send to it failed halfway"
@@ -190,8 +226,14 @@ class _Link:
         unacked messages; sizes are rounded to pages, so a message of about the size of
         a freed one reuses its place). None also when an idle ring is far too big."""
         ring, need = self.ring, _round(nbytes)
-        if ring is None or (not self.live and ring.size > max(_SHRINK_ABOVE, 4 * need)):
+        if ring is None:
             return None
+        if not self.live and ring.size > max(_SHRINK_ABOVE, 4 * need):
+            self.oversized += 1
+            if self.oversized >= _SHRINK_AFTER:
+                return None
+        elif ring.size <= 4 * need:
+            self.oversized = 0
         pos = 0
         for start, end in sorted(self.live.values()):
             if start - pos >= need:
@@ -207,7 +249,7 @@ class _Link:
         fd, ring = _new_ring(max(_MIN_RING, _round(need * 5 // 4, _GROW_STEP)), self.where)
         if self.live:
             self.retired[self.gen] = (self.ring, set(self.live))
-        self.ring, self.gen, self.live = ring, self.gen + 1, {}
+        self.ring, self.gen, self.live, self.oversized = ring, self.gen + 1, {}, 0
         return fd
 
     def _acked(self, gen: int, tag: int) -> None:
@@ -221,12 +263,12 @@ class _Link:
                 del self.retired[gen]  # its last message was read: unmap it
 
     def _write(self, token: bytes, fd: int | None = None) -> None:
-        """Send queued ACKs, then one token (with ``fd`` attached). Waits for room in
-        the socket only by reading the peer's tokens meanwhile, so two ranks writing to
-        each other cannot jam."""
-        if self.acks:
-            token, self.acks = bytes(self.acks) + token, bytearray()
-        view = memoryview(token)
+        """Send queued ACKs, then one data token (with ``fd`` attached). Waits for room
+        in the socket only while reading the peers' tokens, so ranks writing to each
+        other cannot jam."""
+        data = bytes(self.acks) + token
+        self.acks.clear()
+        view = memoryview(data)
         try:
             while view:
                 try:
@@ -238,13 +280,13 @@ class _Link:
                         sent = self.sock.send(view, _SEND_FLAGS)
                     view = view[sent:]
                 except BlockingIOError:  # the socket is full: read while waiting for room
-                    events = self.poll_io.poll(self.timeout_ms)
-                    if not events:
+                    if not self._wait_any(writing=True):
                         raise self._fail(f"made no room to send in {self.timeout_ms / 1000:.0f} s") from None
-                    if any(ev & select.POLLIN for _, ev in events):
-                        self._pump(block=False)
-        except OSError as e:
-            raise self._fail(f"is gone ({e}): the peer process exited or failed") from None
+        except BaseException as e:  # the token did not (all) go out: the peer waits for it in vain
+            if isinstance(e, OSError):
+                raise self._fail(f"is gone ({e}): the peer process exited or failed") from None
+            self.broken = self.broken or f"is out of step: a token to it was cut short ({type(e).__name__})"
+            raise
         finally:
             if fd is not None:
                 os.close(fd)
@@ -296,32 +338,42 @@ class _Link:
 
     def _pump(self, block: bool, waiting_for: int | None = None) -> None:
         """Read what the peer sent (tokens, ring fds) and file it: with ``block``, until
-        message ``waiting_for`` is in (at most the process group timeout), else until
-        nothing more is waiting."""
+        message ``waiting_for`` is in (reading every sibling meanwhile; at most the
+        process group timeout), else until nothing more is waiting."""
         if self.broken:
             raise self._fail(self.broken)
         self._flush_acks()
-        while True:
-            if not self.poll_in.poll(self.timeout_ms if block else 0):
-                if block:
-                    raise TimeoutError(f"fsdp2d: no message from {self.where} in "
-                                       f"{self.timeout_ms / 1000:.0f} s (exchange tag {waiting_for:#x})")
-                return
-            try:
-                data, fds, flags, _ = socket.recv_fds(self.sock, 1 << 16, 8, _RECV_FLAGS)
-            except ConnectionResetError:
-                data, fds, flags = b"", [], 0
-            except OSError as e:
-                raise self._fail(f"cannot be read ({e})") from None
-            self.fds.extend(fds)
-            if flags & socket.MSG_CTRUNC:
-                raise self._fail("sent ring descriptors that were truncated (too many open files?)")
-            if not data:
-                raise self._fail("closed its link: the peer process exited or failed"
-                                 + (f" while this rank waited for exchange tag {waiting_for:#x}"
-                                    if waiting_for is not None else ""))
-            self.rx += data
-            usable = len(self.rx) - len(self.rx) % _TOKEN.size
+        if not block:
+            while self.poll_in.poll(0):
+                self._read(waiting_for)
+            return
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while waiting_for not in self.arrived:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._wait_any(writing=False, timeout_ms=left_ms):
+                raise TimeoutError(f"fsdp2d: no message from {self.where} in "
+                                   f"{self.timeout_ms / 1000:.0f} s (exchange tag {waiting_for:#x})")
+            if self.broken:
+                raise self._fail(self.broken)
+
+    def _read(self, waiting_for: int | None) -> None:
+        """One read from the socket, every whole token in it filed."""
+        try:
+            data, fds, flags, _ = socket.recv_fds(self.sock, 1 << 16, 8, _RECV_FLAGS)
+        except ConnectionResetError:
+            data, fds, flags = b"", [], 0
+        except OSError as e:
+            raise self._fail(f"cannot be read ({e})") from None
+        self.fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise self._fail("sent ring descriptors that were truncated (too many open files?)")
+        if not data:
+            raise self._fail("closed its link: the peer process exited or failed"
+                             + (f" while this rank waited for exchange tag {waiting_for:#x}"
+                                if waiting_for is not None else ""))
+        self.rx += data
+        usable = len(self.rx) - len(self.rx) % _TOKEN.size
+        try:
             new_ring = False
             for kind, gen, tag, off, nbytes in _TOKEN.iter_unpack(memoryview(self.rx)[:usable]):
                 if kind == _DATA:
@@ -331,11 +383,11 @@ class _Link:
                         new_ring = True
                 else:
                     self._acked(gen, tag)
-            del self.rx[:usable]
-            if new_ring:
-                self._drop_old_rings()
-            if block and waiting_for in self.arrived:
-                return
+        except Exception as e:  # (mapping a ring failed): tokens half filed, the link is unusable
+            raise self._fail(f"sent a ring this rank cannot map ({type(e).__name__}: {e})") from None
+        del self.rx[:usable]
+        if new_ring:
+            self._drop_old_rings()
 
 
 def _round(n: int, step: int = _ALIGN) -> int:
@@ -347,6 +399,8 @@ class Links:
 
     def __init__(self, links: dict[int, _Link]) -> None:
         self.links = links
+        for link in links.values():
+            link.set_siblings(list(links.values()))
 
     def send(self, peer: int, tag: int, t: torch.Tensor) -> None:
         self.links[peer].send(tag, t)
@@ -403,17 +457,21 @@ def _connect(group: dist.ProcessGroup, enabled: bool) -> Links | None:
                 s.connect(f"{name}{j}")
                 ok = ok and _peer_pid(s) == pids[j]
                 s.sendall(struct.pack("<q", me))
-            listener.settimeout(_ACCEPT_TIMEOUT_S)
+            deadline = time.monotonic() + _ACCEPT_TIMEOUT_S
             while ok and len(socks) < k - 1:
+                listener.settimeout(max(deadline - time.monotonic(), 0.001))
                 s, _addr = listener.accept()
-                s.settimeout(_ACCEPT_TIMEOUT_S)
                 try:
+                    if _peer_pid(s) not in pids[:me]:
+                        s.close()  # not one of the ranks that connect here: another local process
+                        continue
+                    s.settimeout(max(deadline - time.monotonic(), 0.001))
                     j = struct.unpack("<q", _recv_exactly(s, 8))[0]
-                except (OSError, struct.error):
+                except BaseException:
                     s.close()
                     raise
                 if not (0 <= j < me) or j in socks or _peer_pid(s) != pids[j]:
-                    s.close()  # not the rank it claims to be: another local process
+                    s.close()
                     continue
                 socks[j] = s
         except OSError:

@@ -94,6 +94,7 @@ def job_exchanges(transport: str):
     out["errors"] = [capture_error(lambda: C.all_gather_into(torch.empty(5), torch.zeros(2), tp)),
                      capture_error(lambda: C.reduce_scatter_into(torch.empty(2), torch.zeros(4).double(), tp))]
     out["after_errors"] = C.all_reduce(torch.ones(2), tp)  # the exchange sequence is still in step
+    out["ar_grad"] = C.all_reduce(torch.ones(3, requires_grad=True), tp, inplace=False).requires_grad
     return out
 
 
@@ -125,6 +126,7 @@ def test_exchanges_match_independent_sums_and_gloo(pool, transport):
         for err in res["errors"]:
             assert err is not None and err[0] == "ValueError" and "same dtype" in err[1], err
         assert torch.equal(res["after_errors"], torch.full((2,), 2.0))
+        assert res["ar_grad"]  # the out-of-place sum stays differentiable
     for a, b in ((0, 1), (2, 3)):  # both TP ranks hold the bit-identical sum
         assert torch.equal(results[a]["f32"]["ar"], results[b]["f32"]["ar"])
 

@@ -120,13 +120,19 @@ def test_receiver_unmaps_rings_it_finished_with(ends):
     assert a.gen == 3 and list(b.rings) == [3]
 
 
-def test_idle_oversized_ring_is_replaced(ends, monkeypatch):
+def test_idle_oversized_ring_is_replaced_without_thrashing(ends, monkeypatch):
     monkeypatch.setattr(_shm, "_SHRINK_ABOVE", 1 << 20)
     a, b = ends
-    _exchange(a, b, 1, torch.ones(1_000_000))  # a one-off 4 MB message
-    assert a.ring.size >= 4_000_000
-    _exchange(a, b, 2, torch.ones(1000))
-    assert a.ring.size == _shm._MIN_RING and list(b.rings) == [a.gen]
+    tag = iter(range(1, 1000))
+    _exchange(a, b, next(tag), torch.ones(1_000_000))  # a one-off 4 MB message
+    big_gen = a.gen
+    for _ in range(5):  # big and small alternating: the big ring stays
+        _exchange(a, b, next(tag), torch.ones(1000))
+        _exchange(a, b, next(tag), torch.ones(1_000_000))
+    assert a.gen == big_gen and a.ring.size >= 4_000_000
+    for _ in range(_shm._SHRINK_AFTER):  # only small ones from now on: replaced, once
+        _exchange(a, b, next(tag), torch.ones(1000))
+    assert a.gen == big_gen + 1 and a.ring.size == _shm._MIN_RING and list(b.rings) == [a.gen]
 
 
 def test_two_ends_flooding_each_other_do_not_jam(ends):
@@ -165,3 +171,39 @@ def test_two_ends_flooding_each_other_do_not_jam(ends):
 def test_peer_credentials_name_this_process(ends):
     a, _b = ends
     assert _shm._peer_pid(a.sock) == os.getpid()
+
+
+def test_three_ranks_waiting_in_a_cycle_do_not_jam():
+    """Ranks 0, 1, 2 each issue more exchanges to both peers than a socket buffers before
+    waiting: a rank blocked writing to one peer must keep reading the other."""
+    import threading
+
+    pairs = {}
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        pairs[i, j], pairs[j, i] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    links = {r: _shm.Links({p: _shm._Link(pairs[r, p], f"rank {p}", 20_000) for p in range(3) if p != r})
+             for r in range(3)}
+    n, errors = 1500, []
+
+    def rank(me):
+        try:
+            for tag in range(n):
+                for p in sorted(links[me].links):
+                    links[me].send(p, tag, torch.empty(0))  # tokens only: what can jam is the socket
+            for tag in range(n):
+                for p in sorted(links[me].links):
+                    assert links[me].recv(p, tag, torch.float32, 0).numel() == 0
+                    links[me].release(p, tag)
+        except BaseException as e:  # noqa: B036 - reported to the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+    finally:
+        for sock in pairs.values():
+            sock.close()
