@@ -186,16 +186,41 @@ def _rowwise_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _vocab_parallel_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    layout = self._fsdp2d_tp["weight"].layout
-    start, rows = layout.global_offset[0], layout.local_shape[0]
-    outside = (ids < start) | (ids >= start + rows)  # ids owned by another rank
-    local_ids = (ids - start).masked_fill(outside, 0)
+    start = self._fsdp2d_tp["weight"].layout.global_offset[0]
     padding = self.padding_idx
     if padding is not None:
-        padding = padding - start if start <= padding < start + rows else None
-    out = F.embedding(local_ids, self.weight, padding)  # (..., C) partial
-    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-    return self._fsdp2d_reduce(out)
+        padding = padding - start if start <= padding < start + self.weight.shape[0] else None
+    return self._fsdp2d_reduce(_VocabShardEmbedding.apply(ids, self.weight, start, padding))  # partial
+
+
+def _local_ids(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids owned by another rank, ids relative to this rank's rows with those set to 0)."""
+    outside = (ids < start) | (ids >= start + rows)
+    return outside, (ids - start).masked_fill(outside, 0)
+
+
+class _VocabShardEmbedding(torch.autograd.Function):
+    """Lookup in this rank's vocab rows ``[start, start + rows)``; other ids give zeros.
+    Exactly ``F.embedding`` on the local ids, then zeroing the outside rows, but it saves
+    only the caller's ``ids`` and recomputes the mask in backward, so no per-token
+    tensor stays alive from forward to backward (it would be in every step's peak)."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, start: int, padding: int | None) -> torch.Tensor:
+        outside, local = _local_ids(ids, start, weight.shape[0])
+        ctx.save_for_backward(ids)
+        ctx.start, ctx.rows, ctx.padding = start, weight.shape[0], padding
+        return F.embedding(local, weight, padding).masked_fill_(outside.unsqueeze(-1), 0.0)  # (..., C)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if not ctx.needs_input_grad[1]:
+            return None, None, None, None
+        (ids,) = ctx.saved_tensors
+        outside, local = _local_ids(ids, ctx.start, ctx.rows)
+        grad = grad.masked_fill(outside.unsqueeze(-1), 0.0)
+        padding = -1 if ctx.padding is None else ctx.padding
+        return None, torch.ops.aten.embedding_backward(grad, local, ctx.rows, padding, False, False), None, None
 
 
 class SequenceParallel(ParallelStyle):
