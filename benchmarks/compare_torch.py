@@ -29,7 +29,9 @@ What is measured (see benchmarks/README.md for the full discussion):
   ``TorchDispatchMode`` that sees every c10d op (``torch.distributed`` entry points
   such as ``dist.all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
   dispatch to ``c10d::*``) and every functional collective (DTensor's redistributions
-  use ``_c10d_functional::*``). Bytes are the *logical buffer* of the collective on
+  use ``_c10d_functional::*``); fsdp2d's pairwise exchanges on CPU (which move data
+  through shared memory, issuing no collective op) report themselves through
+  ``fsdp2d.debug.watch_exchanges``. Bytes are the *logical buffer* of the collective on
   one rank: all-reduce: the tensor; all-gather: the gathered output; reduce-scatter:
   the unreduced input. (Ring wire traffic per rank is (k-1)/k of that for all-gather
   and reduce-scatter and 2(k-1)/k for all-reduce, k the group size.)
@@ -39,7 +41,8 @@ What is measured (see benchmarks/README.md for the full discussion):
   bytes are kept exact through frees (weakref on the storage) and resizes
   (``UntypedStorage.resize_``, which both FSDPs use to free unsharded parameters). The
   peak is the maximum of the live total after any op. Allocations inside gloo (its
-  own scratch buffers) and Python objects are not counted, for either side.
+  own scratch and socket buffers) and Python objects are not counted, for either side;
+  fsdp2d's shared-memory rings are left out of the peak and reported beside it.
 * loss: both see the same data from the same weights; their losses must agree to
   ~1e-6 relative (fp32) at every step.
 * theory: ``theory()`` gives the collective count and bytes of fsdp2d's scheme (and of

@@ -18,8 +18,8 @@ bit-identical results, equal to gloo's). Two transports carry the messages:
   (decided collectively at the group's first exchange; ``FSDP2D_SHM=0`` turns it off):
   the sender copies its chunk into a ring that the receiver maps and reads from
   directly, with 32-byte tokens on a Unix socket. Measured on the 2-core benchmark
-  machine (4 ranks): a llama-medium training step's CPU per rank went from ~226 ms to
-  ~175-189 ms, the step from 0.54x torch's time to 0.43x.
+  machine (4 ranks): a llama-medium training step's CPU per rank went from 219-226 ms
+  to 181-197 ms, the step from 0.54-0.59x torch's time to 0.43-0.47x.
 * **gloo point-to-point** (``isend``/``irecv``) otherwise: still cheaper than gloo's
   collectives (a 5.7 MB reduce-scatter 5-6 ms instead of 14-15 ms).
 
@@ -95,7 +95,7 @@ class _Peers:
             observe(group, kind, logical_bytes)
         if self.links is not None:
             for j, t in sends.items():
-                self.links.send(j, tag, t)
+                self.links[j].send(tag, t)
             return _ShmPending(self.links, tag, into, like)
         return _GlooPending(group, tag, sends, into, like)
 
@@ -103,7 +103,7 @@ class _Peers:
 class _ShmPending:
     """Messages of one exchange over shared memory: sent already; received at wait()."""
 
-    def __init__(self, links: "_shm.Links", tag: int, into: dict, like: torch.Tensor) -> None:
+    def __init__(self, links: "dict[int, _shm._Link]", tag: int, into: dict, like: torch.Tensor) -> None:
         self.links, self.tag, self.into, self.like = links, tag, into, like
         self.held: list[int] = []
 
@@ -115,7 +115,7 @@ class _ShmPending:
         try:
             for j, dest in self.into.items():
                 try:
-                    view = self.links.recv(j, self.tag, self.like.dtype, self.like.numel())
+                    view = self.links[j].recv(self.tag, self.like.dtype, self.like.numel())
                 except ValueError as e:  # size mismatch: that message is already dropped
                     error = error or e
                     continue
@@ -124,7 +124,7 @@ class _ShmPending:
                     self.held.append(j)
                 else:
                     got[j] = dest.copy_(view.view(dest.shape))
-                    self.links.release(j, self.tag)
+                    self.links[j].release(self.tag)
         except BaseException:
             self.release()
             raise
@@ -135,7 +135,7 @@ class _ShmPending:
 
     def release(self) -> None:
         for j in self.held:
-            self.links.release(j, self.tag)
+            self.links[j].release(self.tag)
         self.held = []
 
 

@@ -4,7 +4,7 @@ fsdp2d's pairwise exchanges (see ``fsdp2d._collectives``) move CPU tensors betwe
 ranks of a gloo group. Over gloo's TCP transport each message costs two kernel copies,
 several wake-ups of gloo's transport thread and of the waiting thread, and epoll work;
 on a 2-core machine running 4 ranks that was a quarter of a rank's CPU per training
-step. When every rank of the group is on this host, a :class:`Links` moves the bytes
+step. When every rank of the group is on this host, :func:`connect`'s links move the bytes
 through shared memory instead, as NCCL's SHM transport does for GPUs:
 
 * **data**: each ordered pair (sender -> receiver) has a ring buffer in an anonymous
@@ -36,8 +36,9 @@ sockets or ``FSDP2D_SHM=0`` is set anywhere, every rank falls back to gloo's
 point-to-point messages. Each connection is checked against the peer's process id
 (``SO_PEERCRED``), so another local process cannot pose as a rank (ranks in different
 pid namespaces, e.g. containers sharing a network namespace, therefore fall back to
-gloo, after a 20 s wait for connections that never pass the check). Links are not thread-safe: issue a group's exchanges from one
-thread at a time (the order contract needs that anyway).
+gloo, after a 20 s wait for connections that never pass the check). Links are not
+thread-safe: issue a group's exchanges from one thread at a time (the order contract
+needs that anyway).
 """
 
 from __future__ import annotations
@@ -394,22 +395,12 @@ def _round(n: int, step: int = _ALIGN) -> int:
     return -(-n // step) * step
 
 
-class Links:
-    """This rank's links to the other ranks of one group (by group rank)."""
-
-    def __init__(self, links: dict[int, _Link]) -> None:
-        self.links = links
-        for link in links.values():
-            link.set_siblings(list(links.values()))
-
-    def send(self, peer: int, tag: int, t: torch.Tensor) -> None:
-        self.links[peer].send(tag, t)
-
-    def recv(self, peer: int, tag: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self.links[peer].recv(tag, dtype, numel)
-
-    def release(self, peer: int, tag: int) -> None:
-        self.links[peer].release(tag)
+def siblings(links: dict[int, _Link]) -> dict[int, _Link]:
+    """Tell each of one rank's links in a group about the others (see
+    :meth:`_Link.set_siblings`); returns ``links``, by peer group rank."""
+    for link in links.values():
+        link.set_siblings(list(links.values()))
+    return links
 
 
 def _agree(ok: bool, group: dist.ProcessGroup) -> bool:
@@ -418,10 +409,10 @@ def _agree(ok: bool, group: dist.ProcessGroup) -> bool:
     return bool(flag.item())
 
 
-def connect(group: dist.ProcessGroup, enabled: bool = True) -> Links | None:
-    """Collective over ``group`` (all ranks, same point in their programs): links to every
-    other rank if all are on this host, enabled, and can make them; else None on every
-    rank."""
+def connect(group: dist.ProcessGroup, enabled: bool = True) -> dict[int, _Link] | None:
+    """Collective over ``group`` (all ranks, same point in their programs): a link to every
+    other rank, by group rank, if all are on this host, enabled, and can make them; else
+    None on every rank."""
     _INTERNAL.depth = getattr(_INTERNAL, "depth", 0) + 1
     try:
         return _connect(group, enabled and _available())
@@ -429,7 +420,7 @@ def connect(group: dist.ProcessGroup, enabled: bool = True) -> Links | None:
         _INTERNAL.depth -= 1
 
 
-def _connect(group: dist.ProcessGroup, enabled: bool) -> Links | None:
+def _connect(group: dist.ProcessGroup, enabled: bool) -> dict[int, _Link] | None:
     k, me = group.size(), group.rank()
     mine = torch.tensor([_host_id(), int(enabled), secrets.randbits(62), os.getpid()], dtype=torch.int64)
     rows = torch.empty(k * 4, dtype=torch.int64)
@@ -457,30 +448,15 @@ def _connect(group: dist.ProcessGroup, enabled: bool) -> Links | None:
                 s.connect(f"{name}{j}")
                 ok = ok and _peer_pid(s) == pids[j]
                 s.sendall(struct.pack("<q", me))
-            deadline = time.monotonic() + _ACCEPT_TIMEOUT_S
-            while ok and len(socks) < k - 1:
-                listener.settimeout(max(deadline - time.monotonic(), 0.001))
-                s, _addr = listener.accept()
-                try:
-                    if _peer_pid(s) not in pids[:me]:
-                        s.close()  # not one of the ranks that connect here: another local process
-                        continue
-                    s.settimeout(max(deadline - time.monotonic(), 0.001))
-                    j = struct.unpack("<q", _recv_exactly(s, 8))[0]
-                except BaseException:
-                    s.close()
-                    raise
-                if not (0 <= j < me) or j in socks or _peer_pid(s) != pids[j]:
-                    s.close()
-                    continue
-                socks[j] = s
+            if ok:
+                _accept_lower_ranks(listener, me, pids, socks)
         except OSError:
             ok = False
         if _agree(ok, group):
             timeout_ms = _timeout_ms(group)
             gname = getattr(group, "group_name", "?")
-            links = Links({j: _Link(s, f"group rank {j} of process group {gname!r}", timeout_ms)
-                           for j, s in socks.items()})
+            links = siblings({j: _Link(s, f"group rank {j} of process group {gname!r}", timeout_ms)
+                              for j, s in socks.items()})
             socks = {}
             return links
         return None
@@ -489,6 +465,28 @@ def _connect(group: dist.ProcessGroup, enabled: bool) -> Links | None:
             s.close()
         if listener is not None:
             listener.close()
+
+
+def _accept_lower_ranks(listener: socket.socket, me: int, pids: list[int], socks: dict) -> None:
+    """Accept the connections of group ranks ``0 .. me-1`` into ``socks`` (by rank),
+    dropping any whose process is not the rank it claims; OSError past the deadline."""
+    deadline = time.monotonic() + _ACCEPT_TIMEOUT_S
+    while len(socks) < len(pids) - 1:
+        listener.settimeout(max(deadline - time.monotonic(), 0.001))
+        s, _addr = listener.accept()
+        try:
+            if _peer_pid(s) not in pids[:me]:
+                s.close()  # not one of the ranks that connect here: another local process
+                continue
+            s.settimeout(max(deadline - time.monotonic(), 0.001))
+            j = struct.unpack("<q", _recv_exactly(s, 8))[0]
+        except BaseException:
+            s.close()
+            raise
+        if not (0 <= j < me) or j in socks or _peer_pid(s) != pids[j]:
+            s.close()
+            continue
+        socks[j] = s
 
 
 def _peer_pid(s: socket.socket) -> int:

@@ -181,19 +181,19 @@ def test_three_ranks_waiting_in_a_cycle_do_not_jam():
     pairs = {}
     for i, j in ((0, 1), (0, 2), (1, 2)):
         pairs[i, j], pairs[j, i] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    links = {r: _shm.Links({p: _shm._Link(pairs[r, p], f"rank {p}", 20_000) for p in range(3) if p != r})
+    links = {r: _shm.siblings({p: _shm._Link(pairs[r, p], f"rank {p}", 20_000) for p in range(3) if p != r})
              for r in range(3)}
     n, errors = 1500, []
 
     def rank(me):
         try:
             for tag in range(n):
-                for p in sorted(links[me].links):
-                    links[me].send(p, tag, torch.empty(0))  # tokens only: what can jam is the socket
+                for p in sorted(links[me]):
+                    links[me][p].send(tag, torch.empty(0))  # tokens only: what can jam is the socket
             for tag in range(n):
-                for p in sorted(links[me].links):
-                    assert links[me].recv(p, tag, torch.float32, 0).numel() == 0
-                    links[me].release(p, tag)
+                for p in sorted(links[me]):
+                    assert links[me][p].recv(tag, torch.float32, 0).numel() == 0
+                    links[me][p].release(tag)
         except BaseException as e:  # noqa: B036 - reported to the main thread
             errors.append(e)
 
