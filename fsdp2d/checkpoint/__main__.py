@@ -3,7 +3,9 @@
 import argparse
 import sys
 
+from ..models.hf import HFError
 from . import CheckpointError, export, inspect
+from ._hf import export_hf
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,16 +15,19 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("ckpt")
     ex.add_argument("out")
     ex.add_argument("--max-shard-gib", type=float, default=5.0, help="split files larger than this")
+    ex.add_argument("--format", choices=("fsdp2d", "hf"), default="fsdp2d",
+                    help="hf: Hugging Face names and config.json, loadable by transformers")
     ins = sub.add_parser("inspect", help="print tensors, shapes, dtypes, mesh and sizes")
     ins.add_argument("ckpt")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "export":
-            for path in export(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_gib * 2**30)):
+            write = export_hf if args.format == "hf" else export
+            for path in write(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_gib * 2**30)):
                 print(path)
         else:
             print(inspect(args.ckpt))
-    except CheckpointError as exc:
+    except (CheckpointError, HFError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -12,8 +12,9 @@ Token and position embeddings are added as ``tok_emb (B, T, C) + pos_emb (T, C)`
 with broadcasting; a sequence-parallel plan shards ``pos_emb`` along dim 0 to match
 sequence-sharded token embeddings.
 
-The LM head is *not* tied to ``wte`` (tying across a sharded embedding and a sharded
-head is a separate concern). Construction happens on meta and is materialised with
+The LM head is *not* tied to ``wte`` unless ``tie_embeddings`` (HF's GPT-2 ties it;
+tensor parallelism shards the two modules separately, so a tie does not survive
+``parallelize_module``: a loader fills both from the same tensor). Construction happens on meta and is materialised with
 ``to_empty`` + ``init_weights()`` when not building under a meta device, so both paths
 give identical weights under the same seed.
 """
@@ -27,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._tie import retie
+
 __all__ = ["GPT2Args", "GPT2", "Block", "CausalSelfAttention", "MLP"]
 
 
@@ -39,6 +42,7 @@ class GPT2Args:
     block_size: int = 1024  # maximum sequence length (rows of wpe)
     bias: bool = True  # biases in linears (except lm_head) and LayerNorms
     layer_norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # ``lm_head.weight`` is ``wte.weight`` (as in HF's GPT-2)
 
     @classmethod
     def debug(cls) -> "GPT2Args":
@@ -112,6 +116,8 @@ class GPT2(nn.Module):
             self.h = nn.ModuleList(Block(args) for _ in range(args.n_layer))
             self.ln_f = nn.LayerNorm(args.n_embd, eps=args.layer_norm_eps, bias=args.bias)
             self.lm_head = nn.Linear(args.n_embd, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         if target.type != "meta":
             self.to_empty(device=target)
             self.init_weights()
@@ -137,7 +143,14 @@ class GPT2(nn.Module):
             _init_linear(block.mlp.c_fc, 0.02)
             _init_linear(block.mlp.c_proj, proj_std)
         _init_layer_norm(self.ln_f)
-        _init_linear(self.lm_head, 0.02)
+        if not self.args.tie_embeddings:
+            _init_linear(self.lm_head, 0.02)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        out = super()._apply(fn, recurse)
+        if self.args.tie_embeddings:
+            retie(self.lm_head, self.wte)  # _apply gave the head its own copy
+        return out
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         T = tokens.shape[1]  # tokens: (B, T)

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._tie import retie
+
 __all__ = [
     "LlamaArgs",
     "Llama",
@@ -60,6 +62,9 @@ class LlamaArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     max_seq_len: int = 2048
+    ffn_hidden: int | None = None  # explicit SwiGLU hidden size (HF ``intermediate_size``)
+    rope_scaling: dict | None = None  # HF ``rope_parameters`` ("linear", "llama3"); None: plain RoPE
+    tie_embeddings: bool = False  # ``output.weight`` is ``tok_embeddings.weight``
 
     @classmethod
     def debug(cls) -> "LlamaArgs":
@@ -88,7 +93,10 @@ class LlamaArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden size: 2/3 of 4*dim, times the multiplier, rounded up."""
+        """SwiGLU hidden size: ``ffn_hidden`` if set, else 2/3 of 4*dim, times the
+        multiplier, rounded up to ``multiple_of``."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -99,14 +107,38 @@ class LlamaArgs:
 
 
 def precompute_rope(head_dim: int, max_seq_len: int, theta: float,
-                    device: torch.device | str | None = None) -> torch.Tensor:
-    """Rotary tables ``(max_seq_len, 2, head_dim // 2)`` float32: [:, 0]=cos, [:, 1]=sin."""
+                    device: torch.device | str | None = None, scaling: dict | None = None) -> torch.Tensor:
+    """Rotary tables ``(max_seq_len, 2, head_dim // 2)`` float32: [:, 0]=cos, [:, 1]=sin.
+
+    ``scaling`` is a Hugging Face ``rope_parameters``/``rope_scaling`` dict: ``rope_type``
+    ``"default"``, ``"linear"`` (frequencies divided by ``factor``) or ``"llama3"`` (Llama
+    3.1's wavelength-dependent interpolation); any other type raises ``ValueError``.
+    """
     half = head_dim // 2
     exponents = torch.arange(half, dtype=torch.float32, device=device) * 2 / head_dim
-    inv_freq = theta ** -exponents  # (D/2,)
+    inv_freq = _scale_inv_freq(theta ** -exponents, scaling)  # (D/2,)
     pos = torch.arange(max_seq_len, dtype=torch.float32, device=device)  # (S,)
     angles = torch.outer(pos, inv_freq)  # (S, D/2)
     return torch.stack([angles.cos(), angles.sin()], dim=1)  # (S, 2, D/2)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies (D/2,) after HF's RoPE scaling (same formulas as transformers)."""
+    kind = (scaling or {}).get("rope_type", scaling.get("type") if scaling else None) or "default"
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        raise ValueError(f"RoPE scaling rope_type={kind!r} is not supported (default, linear, llama3)")
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)  # 0 at the low-frequency end, 1 at the high
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -232,7 +264,9 @@ class Llama(nn.Module):
             self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
             self.norm = RMSNorm(args.dim, args.norm_eps)
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-            rope = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
+            rope = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cache", rope, persistent=False)  # (S, 2, D/2)
         if target.type != "meta":
             self.to_empty(device=target)
@@ -247,12 +281,19 @@ class Llama(nn.Module):
         """
         device = self.rope_cache.device if buffer_device is None else buffer_device
         a = self.args
-        self.rope_cache = precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, device)
+        self.rope_cache = precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, device, a.rope_scaling)
         nn.init.normal_(self.tok_embeddings.weight, std=1.0)
         for layer in self.layers:
             layer.init_weights()
         self.norm.reset_parameters()
-        _trunc_normal(self.output.weight, a.dim ** -0.5)
+        if not a.tie_embeddings:
+            _trunc_normal(self.output.weight, a.dim ** -0.5)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        out = super()._apply(fn, recurse)
+        if self.args.tie_embeddings:
+            retie(self.output, self.tok_embeddings)  # _apply gave the head its own copy
+        return out
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         T = tokens.shape[1]  # tokens: (B, T)

@@ -1,0 +1,122 @@
+"""Export an fsdp2d checkpoint as a Hugging Face folder that ``transformers`` loads.
+
+``export_hf(CKPT, OUT)`` writes ``config.json``, ``generation_config.json`` and the
+weights under HF's names (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
+plus ``model.safetensors.index.json`` above ``max_shard_bytes``). Names, transposes and
+fused tensors come from the same per-architecture table as the import
+(:data:`fsdp2d.models.hf.TABLES`), read backwards: an HF tensor is the concatenation
+along fsdp2d dim 0 of the fsdp2d tensors mapped to it (in block order), transposed where
+HF stores ``Conv1D`` weights. The architecture comes from ``extra["model"]`` of the
+checkpoint (:func:`fsdp2d.models.hf.model_spec`, which the launcher and the README's
+example save) or from ``spec=``. Streamed like :func:`fsdp2d.checkpoint.export`: the
+split into files is planned from the index, then each file is assembled, written and
+freed before the next.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as st_save
+
+from ..models.hf import HFError, Rule, args_from_spec, hf_config, hf_rule
+from ..placement import Box
+from ._io import _fsync_write, _Files, read_box, read_index
+
+__all__ = ["export_hf"]
+
+
+def _hf_groups(index: dict, arch: str, tied: bool) -> dict[str, list[tuple[int, str, Rule]]]:
+    """HF name -> [(block k, fsdp2d checkpoint name, rule)], blocks sorted."""
+    groups: dict[str, list[tuple[int, str, Rule]]] = {}
+    for name in sorted(n for n in index["tensors"] if n.startswith("model/")):
+        rule = hf_rule(arch, name.removeprefix("model/"), tied)
+        groups.setdefault(rule.hf, []).append((rule.part[0], name, rule))
+    for hf_name, parts in groups.items():
+        parts.sort()
+        n = parts[0][2].part[1]
+        if [k for k, _, _ in parts] != list(range(n)) and not (tied and len(parts) == 2 * n):
+            raise HFError(f"{hf_name}: the checkpoint holds blocks {[k for k, _, _ in parts]} of {n}")
+    return groups
+
+
+def _assemble(files: _Files, index: dict, hf_name: str, parts: list) -> torch.Tensor:
+    """The full HF tensor ``hf_name`` from its fsdp2d pieces (a tied head's second copy,
+    saved by a tensor-parallel run, must equal the embedding: it is checked, not written)."""
+    tensors, seen = [], {}
+    for k, name, rule in parts:
+        meta = index["tensors"][name]
+        shape = tuple(meta["shape"])
+        full = read_box(files, meta, name, Box((0,) * len(shape), shape), getattr(torch, meta["dtype"]))
+        if k in seen:
+            if not torch.equal(seen[k][1], full):
+                raise HFError(f"{name} and {seen[k][0]} are tied in the config but differ in the checkpoint "
+                              f"(trained untied under tensor parallelism?); export needs one tensor")
+            continue
+        seen[k] = (name, full)
+        tensors.append(full)
+    out = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
+    return (out.T if parts[0][2].transpose else out).contiguous()
+
+
+def _plan(index: dict, groups: dict, max_shard_bytes: int) -> list[list[str]]:
+    plan: list[list[str]] = [[]]
+    size = 0
+    for hf_name in sorted(groups):
+        metas = [index["tensors"][name] for k, name, _ in groups[hf_name]]
+        nbytes = sum(math.prod(m["shape"]) * getattr(torch, m["dtype"]).itemsize for m in metas)
+        if plan[-1] and size + nbytes > max_shard_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append(hf_name)
+        size += nbytes
+    return plan
+
+
+def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, spec: dict | None = None,
+              max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Write checkpoint ``ckpt`` (saved on any mesh) as a Hugging Face folder ``out``.
+
+    ``spec`` (``{"arch", "args"}``, see :func:`fsdp2d.models.hf.model_spec`) defaults to
+    the checkpoint's ``extra["model"]``. Offline, one process. Returns the files written.
+    Raises :class:`~fsdp2d.models.hf.HFError` when the architecture is unknown or a
+    tensor has no HF name.
+    """
+    root, out = Path(ckpt), Path(out)
+    index = read_index(root)
+    spec = spec or index.get("extra", {}).get("model")
+    if spec is None:
+        raise HFError(f"{root}: extra['model'] is missing; save with extra={{'model': model_spec(model)}} "
+                      f"or pass spec=")
+    arch, args = args_from_spec(spec)
+    groups = _hf_groups(index, arch, args.tie_embeddings)
+    plan = _plan(index, groups, max_shard_bytes)
+    files = _Files(root, index)
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(plan)
+    fnames = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map, total, dtype = {}, 0, "float32"
+    for fname, names in zip(fnames, plan):
+        shard = {name: _assemble(files, index, name, groups[name]) for name in names}
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        dtype = str(next(iter(shard.values())).dtype).removeprefix("torch.")
+        weight_map.update({name: fname for name in names})
+        data = st_save(shard, metadata={"format": "pt"})
+        del shard
+        _fsync_write(out / fname, data)
+        del data
+    written = [out / f for f in fnames]
+    if n > 1:
+        _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+        written.append(out / "model.safetensors.index.json")
+    _write_json(out / "config.json", {**hf_config(arch, args), "dtype": dtype})
+    _write_json(out / "generation_config.json", {"_from_model_config": True})
+    return written + [out / "config.json", out / "generation_config.json"]
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    _fsync_write(path, (json.dumps(obj, indent=2) + "\n").encode())
