@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fsdp2d
+import fsdp2d.plans
 from fsdp2d.checkpoint._entries import model_entries
 from fsdp2d.models import GPT2, Llama
 from fsdp2d.models.hf import config_from_hf, load_hf_into, model_spec
@@ -53,3 +54,55 @@ def job_train_save(folder: str, mesh_shape: tuple, steps: int, ckpt: str, x: tor
     fsdp2d.checkpoint.save(ckpt, model, opt, extra={"model": model_spec(model)})
     with torch.no_grad():
         return model(x)
+
+
+def hf_model(kind: str) -> torch.nn.Module:
+    """A tiny transformers model, dropout off (parity needs determinism), seed fixed."""
+    import transformers as T
+
+    torch.manual_seed(1234)
+    if kind.startswith("gpt2"):
+        cfg = T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=P.VOCAB, n_positions=P.SEQ,
+                           attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                           tie_word_embeddings=kind == "gpt2")
+        return T.GPT2LMHeadModel(cfg)
+    cfg = T.LlamaConfig(hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=4, vocab_size=P.VOCAB, max_position_embeddings=P.SEQ)
+    return T.LlamaForCausalLM(cfg)
+
+
+def job_hf_model_parity(kind: str, mesh_shape: tuple, steps: int) -> dict:
+    """The transformers model itself: TP with fsdp2d.plans.from_hf, fully_shard per block
+    and root over dp, ``steps`` AdamW steps against the same model on one process."""
+    import copy
+
+    torch.set_num_threads(1)
+    ref = hf_model(kind)
+    model = copy.deepcopy(ref)
+    mesh = P.get_mesh(mesh_shape, ("dp", "tp"))
+    fsdp2d.parallelize_module(model, mesh["tp"], fsdp2d.plans.from_hf(model))
+    for block in (model.transformer.h if kind.startswith("gpt2") else model.model.layers):
+        fsdp2d.fully_shard(block, mesh=mesh["dp"])
+    fsdp2d.fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=P.EPS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=P.EPS)
+    s = P.Setup(model=kind, mesh=mesh_shape)
+    idx, count = P.data_rank(mesh, s)
+    loss_err = 0.0
+    for step in range(steps):
+        x, y = P.batch_for(step, s)
+        ref_loss = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten())
+        ref_loss.backward()
+        loss = F.cross_entropy(model(x.chunk(count)[idx]).logits.flatten(0, 1), y.chunk(count)[idx].flatten())
+        loss.backward()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)  # each dp slice's loss counted once per TP rank
+        total /= torch.distributed.get_world_size()
+        loss_err = max(loss_err, abs(total.item() - ref_loss.item()) / abs(ref_loss.item()))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    params = P.full_tensors(model, mesh, "param")
+    errs = {n: (params[n].reshape(p.shape) - p.detach()).abs().max().item() for n, p in ref.named_parameters()}
+    tied = kind != "gpt2" or model.lm_head.weight is model.transformer.wte.weight
+    return {"loss": loss_err, "param_abs": max(errs.values()), "worst": max(errs, key=errs.get), "tied": tied}
