@@ -273,7 +273,8 @@ def _expected_hf_shape(rule: Rule, global_shape: tuple[int, ...]) -> tuple[int, 
 
 
 # Fields that change what the model computes without changing any tensor's shape.
-_SEMANTIC = ("norm_eps", "rope_theta", "rope_scaling", "tie_embeddings", "layer_norm_eps", "bias")
+# (A tied checkpoint may fill an untied model: both copies start from the embedding.)
+_SEMANTIC = ("norm_eps", "rope_theta", "rope_scaling", "layer_norm_eps", "bias")
 
 
 def _check_args(model: nn.Module, args: LlamaArgs | GPT2Args, path: Path) -> str:
@@ -284,6 +285,8 @@ def _check_args(model: nn.Module, args: LlamaArgs | GPT2Args, path: Path) -> str
         if hasattr(args, name) and getattr(args, name) != getattr(model.args, name):
             raise HFError(f"{path}: config gives {name}={getattr(args, name)!r}, the model has "
                           f"{getattr(model.args, name)!r}; build the model with config_from_hf's args")
+    if model.args.tie_embeddings and not args.tie_embeddings:
+        raise HFError(f"{path}: the model ties its head to the embedding, the checkpoint has its own head")
     return spec["arch"]
 
 
@@ -303,14 +306,14 @@ def load_hf_into(model: nn.Module, path: str | os.PathLike) -> ReadStats:
 
     folder = HFFolder(path)
     try:
-        arch = _check_args(model, config_from_hf(folder.config(), str(folder.path / "config.json"))[1],
-                           folder.path)
+        args = config_from_hf(folder.config(), str(folder.path / "config.json"))[1]
+        arch = _check_args(model, args, folder.path)
         used = set()
         for e in model_entries(model):
             fqn = e.name.removeprefix("model/")
             if e.tensor.is_meta:
                 raise HFError(f"{fqn} is on the meta device: call model.to_empty(device=...) before loading")
-            rule = hf_rule(arch, fqn, model.args.tie_embeddings)
+            rule = hf_rule(arch, fqn, args.tie_embeddings)
             used.add(folder.key(rule.hf))
             want, got = _expected_hf_shape(rule, e.global_shape), folder.shape(rule.hf)
             if got != want:

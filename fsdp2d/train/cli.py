@@ -17,6 +17,7 @@ import sys
 import torch.distributed as dist
 
 from .config import ConfigError, help_text, load_config, validate
+from .hf import apply_init_from
 
 
 def _split(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -42,7 +43,7 @@ def train(argv: list[str]) -> int:
         return 0
     config, overrides = _split(argv)
     try:
-        cfg = load_config(config, overrides)
+        cfg = apply_init_from(load_config(config, overrides))
         if "LOCAL_RANK" not in os.environ:  # not under torchrun: launch ourselves
             validate(cfg)
             nproc = cfg.parallel.nproc or cfg.world_size

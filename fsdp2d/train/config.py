@@ -84,10 +84,18 @@ class ModelConfig:
     """Epsilon of RMSNorm (Llama) / LayerNorm (GPT-2)."""
     rope_theta: float = 10000.0
     """Llama: RoPE base frequency (Llama 3 uses 500000)."""
+    init_from: str = ""
+    """A Hugging Face folder (``config.json`` + safetensors, Llama or GPT-2) to start
+    from: its config sets the architecture (the fields above follow it) and each rank
+    loads only its shards of the weights. Empty = random initialisation."""
 
     def to_args(self) -> Any:
         """The model's own argument dataclass (``LlamaArgs`` or ``GPT2Args``)."""
         from fsdp2d.models import GPT2Args, LlamaArgs
+
+        if self.init_from:
+            from .hf import hf_args
+            return hf_args(self)
 
         if self.name == "gpt2":
             return GPT2Args(n_layer=self.n_layers, n_head=self.n_heads, n_embd=self.dim,
@@ -213,6 +221,9 @@ class CheckpointConfig:
     """Continue from the newest checkpoint in ``folder`` if there is one."""
     folder: str = "checkpoints"
     """Checkpoint folder, relative to the run folder (``runs_dir/run_name``) unless absolute."""
+    export_hf: bool = True
+    """At the end of the run, write the last checkpoint as a Hugging Face folder
+    ``RUN/hf`` (config.json + safetensors) that ``transformers`` loads."""
 
 
 @dataclass

@@ -23,7 +23,9 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 import fsdp2d
 from fsdp2d import checkpoint as ckpt
-from fsdp2d.models import GPT2, Llama, gpt2_tp_plan, llama_tp_plan
+from fsdp2d.checkpoint import export_hf
+from fsdp2d.models import GPT2, Llama, gpt2_tp_plan, llama_tp_plan, load_hf_into
+from fsdp2d.models.hf import model_spec
 
 from .config import JobConfig, save_config, validate
 from .data import build_data
@@ -58,6 +60,8 @@ def build_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
     model.to_empty(device=p.device)
     torch.manual_seed(cfg.training.seed)
     model.init_weights()
+    if cfg.model.init_from:  # each rank reads only its own shards of the HF weights
+        load_hf_into(model, cfg.model.init_from)
     return model
 
 
@@ -127,7 +131,8 @@ class Trainer:
             print(f"resumed from {latest} at step {self.step}", flush=True)
 
     def save(self) -> None:
-        extra = {"step": self.step, "data": self.data.train.state_dict(), "rng": _rng_state()}
+        extra = {"step": self.step, "data": self.data.train.state_dict(), "rng": _rng_state(),
+                 "model": model_spec(self.model)}  # lets `export --format hf` write config.json
         self.ckpts.save(self.step, self.model, self.opt, extra=extra)
 
     # -- one step ------------------------------------------------------------------------
@@ -203,4 +208,6 @@ class Trainer:
             every = cfg.checkpoint.every
             if (every and self.step % every == 0) or self.step == stop:
                 self.save()
+        if cfg.checkpoint.export_hf and self.rank == 0 and (last := self.ckpts.latest()) is not None:
+            export_hf(last, cfg.run_dir / "hf")  # what transformers (and vLLM) load
         return record

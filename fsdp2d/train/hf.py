@@ -1,0 +1,57 @@
+"""The launcher's Hugging Face bridges: start from an HF folder, end with an HF export.
+
+``--model.init_from=PATH``: :func:`apply_init_from` (called right after the config is
+loaded, before validation) copies the HF architecture into ``[model]`` so the usual
+checks (TP degree divides the heads, ``seq_len <= max_seq_len``...) see the real model;
+the trainer then loads the weights shard by shard (:func:`fsdp2d.models.load_hf_into`)
+instead of initialising them. ``checkpoint.export_hf``: rank 0 writes the last
+checkpoint as an HF folder ``RUN/hf`` that ``transformers`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fsdp2d.models.hf import HFError, config_from_hf
+
+from .config import ConfigError, JobConfig, ModelConfig
+
+
+def _read(path: str) -> tuple[str, Any]:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"model.init_from={path!r}: no config.json there (a Hugging Face model folder)")
+    try:
+        return config_from_hf(json.loads(cfg_path.read_text()), str(cfg_path))
+    except HFError as exc:
+        raise ConfigError(f"model.init_from: {exc}") from exc
+
+
+def hf_args(m: ModelConfig) -> Any:
+    """The model arguments of ``m.init_from``; Llama's RoPE table follows ``max_seq_len``.
+    A tied head is trained untied (both start from the embedding; ``fully_shard`` does
+    not accept tied weights yet), so the HF export writes ``lm_head.weight`` too."""
+    arch, args = _read(m.init_from)
+    args.tie_embeddings = False
+    if arch == "llama":
+        args.max_seq_len = m.max_seq_len
+    return args
+
+
+def apply_init_from(cfg: JobConfig) -> JobConfig:
+    """With ``model.init_from`` set, make ``[model]`` describe the HF model (in place)."""
+    m = cfg.model
+    if not m.init_from:
+        return cfg
+    arch, a = _read(m.init_from)
+    m.name = arch
+    if arch == "llama":
+        m.dim, m.n_layers, m.n_heads, m.n_kv_heads = a.dim, a.n_layers, a.n_heads, a.kv_heads
+        m.vocab_size, m.norm_eps, m.rope_theta = a.vocab_size, a.norm_eps, a.rope_theta
+        m.max_seq_len = min(m.max_seq_len, a.max_seq_len) if m.max_seq_len else a.max_seq_len
+    else:
+        m.dim, m.n_layers, m.n_heads, m.n_kv_heads = a.n_embd, a.n_layer, a.n_head, None
+        m.vocab_size, m.norm_eps, m.max_seq_len = a.vocab_size, a.layer_norm_eps, a.block_size
+    return cfg
