@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .config import ConfigError, help_text, load_config, validate
 from .hf import apply_init_from
+from .pretokenize import apply_pretokenize
 
 
 def _split(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -44,6 +45,7 @@ def train(argv: list[str]) -> int:
     config, overrides = _split(argv)
     try:
         cfg = apply_init_from(load_config(config, overrides))
+        apply_pretokenize(cfg, may_work="LOCAL_RANK" not in os.environ)
         if "LOCAL_RANK" not in os.environ:  # not under torchrun: launch ourselves
             validate(cfg)
             nproc = cfg.parallel.nproc or cfg.world_size
@@ -74,9 +76,13 @@ def train(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("train", "plot"):
-        print("usage: fsdp2d {train,plot} ...  (fsdp2d train --help)", file=sys.stderr)
+    if not argv or argv[0] not in ("train", "plot", "pretokenize"):
+        print("usage: fsdp2d {train,plot,pretokenize} ...  (fsdp2d train --help)", file=sys.stderr)
         return 2
+    if argv[0] == "pretokenize":
+        from .pretokenize import main as pretokenize_main
+
+        return pretokenize_main(argv[1:])
     if argv[0] == "plot":
         from .plot import plot
 

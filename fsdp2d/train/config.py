@@ -146,6 +146,10 @@ class DataConfig:
     """Fraction of the token stream (its end) held out for evaluation; 0 = none."""
     seed: int = 0
     """Seed of the per-epoch shuffle of sequence order."""
+    pretokenize: str = ""
+    """With ``format=text``: a folder where the corpus is tokenized once (in parallel,
+    with a progress bar) into the ``uint16``/``uint32`` file training then reads;
+    reused while sources and tokenizer are unchanged. Empty = tokenize in memory."""
 
 
 @dataclass

@@ -1,0 +1,83 @@
+"""The tokenizer.json data path with a BPE trained here, and pretokenizing a corpus once."""
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsdp2d.train.config import ConfigError, load_config
+from fsdp2d.train.data import load_tokens
+from fsdp2d.train.pretokenize import TOKENS, apply_pretokenize, main, pretokenize
+
+tokenizers = pytest.importorskip("tokenizers")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Text from the repo (README and the data/checkpoint sources) and a byte-level BPE
+    of 400 tokens trained on it, saved as tokenizer.json."""
+    root = tmp_path_factory.mktemp("corpus")
+    src = root / "text"
+    src.mkdir()
+    for f in [ROOT / "README.md", *sorted((ROOT / "fsdp2d" / "train").glob("*.py"))]:
+        shutil.copy(f, src / f.name)
+    (src / "zz_utf8.txt").write_text("naïve café ✓\n")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(f) for f in sorted(src.iterdir())], trainer)
+    tok.save(str(root / "tokenizer.json"))
+    return src, root / "tokenizer.json"
+
+
+def _text_cfg(src, tok):
+    return load_config(None, [f"--data.path={src}", f"--data.tokenizer={tok}"]).data
+
+
+def test_bpe_tokenizer_json_data_path(corpus):
+    src, tok_path = corpus
+    stream = load_tokens(_text_cfg(src, tok_path))
+    tok = tokenizers.Tokenizer.from_file(str(tok_path))
+    ids = stream.read(0, len(stream)).tolist()
+    text = "".join(f.read_text() for f in sorted(src.iterdir()))
+    assert tok.decode(ids) == text  # byte-level BPE: lossless
+    assert len(ids) < 0.8 * len(text.encode()) and max(ids) < 400  # it merges, within its vocabulary
+
+
+def test_pretokenize_matches_the_in_memory_stream_and_is_reused(corpus, tmp_path):
+    src, tok = corpus
+    out = tmp_path / "tok"
+    manifest = pretokenize(src, out, str(tok), workers=2, progress=False)
+    assert manifest["format"] == "uint16" and manifest["vocab_size"] == 400
+    text = load_tokens(_text_cfg(src, tok))
+    cfg = load_config(None, [f"--data.path={out}", "--data.format=uint16"]).data
+    binary = load_tokens(cfg)
+    assert np.array_equal(binary.read(0, len(binary)), text.read(0, len(text)).astype(np.uint16))
+    before = (out / TOKENS).stat().st_mtime_ns
+    pretokenize(src, out, str(tok), workers=2, progress=False)
+    assert (out / TOKENS).stat().st_mtime_ns == before  # unchanged sources: nothing redone
+    (src / "zz_utf8.txt").write_text("changed\n")
+    try:
+        assert pretokenize(src, out, str(tok), workers=1, progress=False)["tokens"] != manifest["tokens"]
+    finally:
+        (src / "zz_utf8.txt").write_text("naïve café ✓\n")
+
+
+def test_train_option_and_cli(corpus, tmp_path, capsys):
+    src, tok = corpus
+    overrides = [f"--data.path={src}", f"--data.tokenizer={tok}", f"--data.pretokenize={tmp_path / 'p'}"]
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match="missing or stale: run `fsdp2d pretokenize"):
+        apply_pretokenize(cfg, may_work=False)  # a rank under an outside torchrun only checks
+    assert main([str(src), str(tmp_path / "p"), "--tokenizer", str(tok), "--workers", "2"]) == 0
+    out = capsys.readouterr()
+    assert "pretokenize [" in out.err and "ETA" in out.err and "tokens (uint16, vocab 400)" in out.out
+    apply_pretokenize(cfg, may_work=False)
+    assert cfg.data.path == str(tmp_path / "p") and cfg.data.format == "uint16"
+    bytes_cfg = load_config(None, [f"--data.path={src}", f"--data.pretokenize={tmp_path / 'b'}"])
+    apply_pretokenize(bytes_cfg, may_work=True)
+    assert os.path.getsize(tmp_path / "b" / TOKENS) == 2 * sum(f.stat().st_size for f in src.iterdir())
