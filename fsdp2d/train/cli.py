@@ -76,13 +76,13 @@ def train(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("train", "plot", "pretokenize"):
-        print("usage: fsdp2d {train,plot,pretokenize} ...  (fsdp2d train --help)", file=sys.stderr)
+    if not argv or argv[0] not in ("train", "plot", "pretokenize", "generate"):
+        print("usage: fsdp2d {train,plot,pretokenize,generate} ...  (fsdp2d train --help)", file=sys.stderr)
         return 2
-    if argv[0] == "pretokenize":
-        from .pretokenize import main as pretokenize_main
+    if argv[0] in ("pretokenize", "generate"):
+        from importlib import import_module
 
-        return pretokenize_main(argv[1:])
+        return import_module(f"fsdp2d.train.{argv[0]}").main(argv[1:])
     if argv[0] == "plot":
         from .plot import plot
 

@@ -239,6 +239,13 @@ class MetricsConfig:
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; None = device default (H100 989e12 bf16,
     A100 312e12; CPU: measured)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to ``RUN/tensorboard`` (needs ``pip install
+    tensorboard``; fsdp2d does not install it)."""
+    wandb: Literal["off", "offline", "online"] = "off"
+    """Also log to Weights & Biases; ``offline`` needs no network (needs ``pip install wandb``)."""
+    wandb_project: str = "fsdp2d"
+    """W&B project name (the run is named after ``run_name``)."""
 
 
 @dataclass

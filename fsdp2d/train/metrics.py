@@ -15,7 +15,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -54,10 +54,12 @@ def peak_memory_mib(device: str) -> float:
 class Metrics:
     """Appends one JSON line per logged step; draws a progress line on a terminal."""
 
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, writers: Sequence[Any] = ()) -> None:
         self.enabled, self.total = enabled, total_steps
         self.path = run_dir / "metrics.jsonl"
         self.tty = sys.stdout.isatty()
+        self.writers = list(writers)  # TensorBoard / W&B (fsdp2d.train.writers), fed every logged record
+        self._t0, self._step0 = time.perf_counter(), None  # for the ETA (a resumed run starts mid-way)
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -66,7 +68,21 @@ class Metrics:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        for writer in self.writers:
+            writer.write(record)
         self.progress(record, final=True)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+    def eta(self, step: int) -> str:
+        """Time left at the mean step time of this invocation, ``h:mm:ss``."""
+        if self._step0 is None:
+            self._step0 = step - 1
+        done = step - self._step0
+        left = (time.perf_counter() - self._t0) / max(done, 1) * max(self.total - step, 0)
+        return f"{int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
 
     def progress(self, record: dict[str, Any], final: bool = False) -> None:
         if not self.enabled:
@@ -79,6 +95,7 @@ class Metrics:
                 f"{record['tokens_per_s']:.0f} tok/s mfu {100 * record['mfu']:.2f}%")
         if "eval_loss" in record:
             text += f" eval {record['eval_loss']:.4f}"
+        text += f" ETA {self.eta(step)}"
         if self.tty:
             print("\r" + text, end="\n" if step == self.total else "", flush=True)
         elif final:

@@ -10,6 +10,7 @@ data position and RNG state from the latest checkpoint and continues bit for bit
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import os
 import time
@@ -30,6 +31,7 @@ from fsdp2d.models.hf import model_spec
 from .config import JobConfig, save_config, validate
 from .data import build_data
 from .metrics import Metrics, device_peak, peak_memory_mib
+from .writers import build_writers
 
 
 class TrainingError(RuntimeError):
@@ -108,7 +110,8 @@ class Trainer:
         self.data = build_data(cfg, dp_rank, cfg.dp_degree)
         self.ckpts = ckpt.CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.checkpoint.keep_last)
         self.step = 0
-        self.metrics = Metrics(cfg.run_dir, cfg.training.steps, enabled=self.rank == 0)
+        writers = build_writers(cfg.metrics, cfg.run_dir, dataclasses.asdict(cfg)) if self.rank == 0 else []
+        self.metrics = Metrics(cfg.run_dir, cfg.training.steps, enabled=self.rank == 0, writers=writers)
         with torch.device("meta"):
             meta = Llama(cfg.model.to_args()) if cfg.model.name == "llama" else GPT2(cfg.model.to_args())
         self.flops_per_token = meta.flops_per_token(cfg.data.seq_len)
@@ -208,6 +211,7 @@ class Trainer:
             every = cfg.checkpoint.every
             if (every and self.step % every == 0) or self.step == stop:
                 self.save()
+        self.metrics.close()
         if cfg.checkpoint.export_hf and self.rank == 0 and (last := self.ckpts.latest()) is not None:
             export_hf(last, cfg.run_dir / "hf")  # what transformers (and vLLM) load
         return record

@@ -1,0 +1,93 @@
+"""``fsdp2d generate CKPT --prompt "..."``: sample text from a checkpoint on one process.
+
+The checkpoint (saved on any mesh) is read into an unparallelized fsdp2d model built
+from its ``extra["model"]`` spec (written by the launcher); the tokenizer is the run's
+(``data.tokenizer`` in ``RUN/config.toml`` next to ``RUN/checkpoints/``) unless
+``--tokenizer`` names one. Sampling: temperature (0 = greedy) and top-k, seeded. No KV
+cache: each new token re-runs the (short) context, which is plenty for small models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+
+import torch
+
+from fsdp2d import checkpoint
+from fsdp2d.models import GPT2, Llama
+from fsdp2d.models.hf import args_from_spec
+
+__all__ = ["load_model", "sample", "main"]
+
+
+def load_model(ckpt: str | Path) -> torch.nn.Module:
+    """The fsdp2d model of checkpoint ``ckpt``, full weights on this process, eval mode."""
+    spec = checkpoint.read_index(ckpt).get("extra", {}).get("model")
+    if spec is None:
+        raise checkpoint.CheckpointError(f"{ckpt}: no extra['model'] (saved by an older fsdp2d train?): "
+                                         f"cannot tell which model to build")
+    arch, args = args_from_spec(spec)
+    model = (Llama if arch == "llama" else GPT2)(args)
+    checkpoint.load(ckpt, model)
+    return model.eval()
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, ids: list[int], max_new_tokens: int, *, temperature: float = 0.8,
+           top_k: int | None = 50, seed: int = 0) -> list[int]:
+    """``ids`` followed by ``max_new_tokens`` sampled tokens (greedy at temperature 0)."""
+    limit = model.args.max_seq_len if isinstance(model, Llama) else model.args.block_size
+    gen = torch.Generator().manual_seed(seed)
+    out = list(ids)
+    for _ in range(max_new_tokens):
+        context = torch.tensor([out[-limit:]])  # (1, T)
+        logits = model(context)[0, -1].float()  # (V,)
+        if temperature <= 0:
+            out.append(int(logits.argmax()))
+            continue
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits / temperature, dim=-1)
+        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return out
+
+
+def _codec(ckpt: Path, tokenizer: str | None):
+    """(encode, decode) of the run's tokenizer (bytes when nothing says otherwise)."""
+    if tokenizer is None:
+        config = ckpt.parent.parent / "config.toml"
+        tokenizer = tomllib.loads(config.read_text()).get("data", {}).get("tokenizer", "bytes") \
+            if config.is_file() else "bytes"
+    if tokenizer == "bytes":
+        return (lambda s: list(s.encode())), (lambda ids: bytes(i % 256 for i in ids).decode(errors="replace"))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer)
+    return (lambda s: tok.encode(s, add_special_tokens=False).ids), tok.decode
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fsdp2d generate", description="sample text from a checkpoint")
+    parser.add_argument("ckpt", help="a checkpoint folder, e.g. runs/debug_cpu/checkpoints/step_00000300")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, help="'bytes' or a tokenizer.json (default: the run's)")
+    args = parser.parse_args(argv)
+    ckpt = Path(args.ckpt)
+    try:
+        model = load_model(ckpt)
+    except checkpoint.CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    encode, decode = _codec(ckpt, args.tokenizer)
+    ids = encode(args.prompt)
+    out = sample(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    print(decode(out))
+    return 0
