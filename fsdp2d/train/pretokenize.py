@@ -39,11 +39,12 @@ def _init_worker(tokenizer: str) -> None:
 
 
 def _encode_file(path: str) -> np.ndarray:
-    """One file's ids, as ``data.format="text"`` makes them (bytes: the raw bytes)."""
+    """One file's ids, as ``data.format="text"`` makes them (bytes: the raw bytes), in the
+    narrowest exact dtype: the array crosses a process boundary."""
     if _ENCODE is None:
-        return np.frombuffer(Path(path).read_bytes(), dtype=np.uint8).astype(np.int64)
+        return np.frombuffer(Path(path).read_bytes(), dtype=np.uint8)
     text = Path(path).read_text(encoding="utf-8", errors="replace")
-    return np.asarray(_ENCODE([text])[0], dtype=np.int64)
+    return np.asarray(_ENCODE([text])[0], dtype=np.uint32)  # tokenizers' ids are u32
 
 
 def _vocab_size(tokenizer: str) -> int:
