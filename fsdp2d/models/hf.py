@@ -181,7 +181,9 @@ def hf_config(arch: str, args: LlamaArgs | GPT2Args) -> dict:
             "n_layer": args.n_layer, "n_head": args.n_head, "vocab_size": args.vocab_size,
             "n_positions": args.block_size, "layer_norm_epsilon": args.layer_norm_eps, "n_inner": None,
             "activation_function": "gelu_new", "tie_word_embeddings": args.tie_embeddings,
-            "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0}
+            "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
+            # GPT-2's <|endoftext|> when the vocabulary has it (transformers' default is 50256)
+            **dict.fromkeys(("bos_token_id", "eos_token_id"), 50256 if args.vocab_size > 50256 else None)}
 
 
 def model_spec(model: nn.Module) -> dict:
