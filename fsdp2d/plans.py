@@ -69,8 +69,11 @@ HF_STYLES: dict[str, Callable[[str], ParallelStyle]] = {
     "rowwise": _rowwise(False),
     "rowwise_rep": _rowwise(True),
     "rowwise_split_input": _rowwise(True),
-    "embedding_rowwise": lambda n: _ByModule(n, RowwiseParallel(), None),
-    "embedding_colwise": lambda n: _ByModule(n, ColwiseParallel(output_layouts=Replicate()), None),
+    # Token ids arrive whole on every rank (torch's RowwiseParallel default, Shard(-1), would
+    # read them as sequence shards and gather them).
+    "embedding_rowwise": lambda n: _ByModule(n, RowwiseParallel(input_layouts=Replicate()), None),
+    "embedding_colwise": lambda n: _ByModule(n, ColwiseParallel(input_layouts=Replicate(),
+                                                                output_layouts=Replicate()), None),
     "sequence_parallel": lambda n: SequenceParallel(),
 }
 

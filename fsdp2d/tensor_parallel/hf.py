@@ -47,8 +47,10 @@ def _require_conv1d(style: ParallelStyle, module: nn.Module, fqn: str) -> None:
 
 
 def _view_param(module: nn.Module, name: str, shape: tuple[int, ...]) -> None:
+    """Reshape ``module.<name>`` in place: the Parameter object (its identity, which
+    ``shard_parameter`` may key ties on) stays, only its view changes."""
     p = module._parameters[name]
-    module._parameters[name] = nn.Parameter(p.detach().view(shape), requires_grad=p.requires_grad)
+    p.data = p.data.view(shape)
 
 
 def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ def test_llama_plan_is_translated():
     assert plan["model.layers.*.self_attn.q_proj"].linear.output_layout == Shard(-1)
     assert plan["model.layers.*.self_attn.o_proj"].linear.output_layout == Replicate()
     assert plan["lm_head"].linear.output_layout == Replicate()  # colwise_gather_output
-    assert "model.embed_tokens" in plan
+    assert plan["model.embed_tokens"].linear.input_layout == Replicate()  # ids whole on every rank
 
 
 def test_gpt2_gets_the_builtin_conv1d_plan():
