@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._dtensor import local_of
 from ..fsdp import fsdp_params
 from ..placement import Box, Layout
 from ..tensor_parallel import tp_params
@@ -59,7 +60,7 @@ def model_entries(model: nn.Module) -> list[Entry]:
     for fqn, p in _named_params(model).items():
         lay, groups = layouts.get(fqn, (None, {}))
         shape = lay.global_shape if lay is not None else tuple(p.shape)
-        entries.append(Entry(f"model/{fqn}", p.detach(), lay, shape, groups))
+        entries.append(Entry(f"model/{fqn}", local_of(p).detach(), lay, shape, groups))
     for fqn, buf in model.named_buffers():
         mod_name, _, bname = fqn.rpartition(".")
         owner = model.get_submodule(mod_name) if mod_name else model
@@ -115,11 +116,11 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
             for key, value in sorted(state.items()):
                 if not isinstance(value, torch.Tensor):
                     continue
-                if value.shape == p.shape and value.ndim > 0:
+                if value.shape == p.shape and value.ndim > 0:  # DTensor state of a DTensor parameter
                     shape = lay.global_shape if lay is not None else tuple(p.shape)
-                    entries.append(Entry(f"optim/{fqn}/{key}", value, lay, shape, groups))
+                    entries.append(Entry(f"optim/{fqn}/{key}", local_of(value), lay, shape, groups))
                 else:
-                    entries.append(Entry(f"optim/{fqn}/{key}", value, None, tuple(value.shape)))
+                    entries.append(Entry(f"optim/{fqn}/{key}", local_of(value), None, tuple(value.shape)))
     return entries
 
 

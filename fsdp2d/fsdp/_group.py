@@ -22,7 +22,10 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from torch.distributed.tensor import DTensor
+
 from .. import _collectives as C
+from .._dtensor import as_dtensor, install_load_hook, local_of
 from ._param import FSDPParam
 
 
@@ -102,6 +105,7 @@ class FSDPParamGroup:
         self._gathered_versions: tuple = ()  # _shard_versions() at the last gather
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
+        self._ones: torch.Tensor | None = None  # has-gradient flags when all are present
         self.compute_device = params[0].sharded.device if params else torch.device("cpu")
         self._build_flat(self.compute_device)
 
@@ -131,17 +135,19 @@ class FSDPParamGroup:
             flat = self.flats[current.dtype]
             view = flat[p.store_offset:p.store_offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
             with torch.no_grad():
-                src = current if tuple(current.shape) == p.shard_shape else p.shard_of(current)
+                src = _shard_source(p, current)
                 if src.device.type != "meta" and store.type != "meta":
                     view.copy_(src)
-            if tuple(current.shape) == p.shard_shape:
-                current.data = view  # keep the object the optimizer may already hold
+            spec = p.spec(current.dtype)
+            if isinstance(current, DTensor) and isinstance(current, torch.nn.Parameter) and current._spec == spec:
+                current._local_tensor = view  # keep the object the optimizer may already hold
                 p.sharded = current
             else:
-                p.sharded = torch.nn.Parameter(view, requires_grad=p.requires_grad)
-            p.sharded._fsdp2d_layout = p.layout  # the 2D layout, read by clip_grad_norm_
-            p.expected_ptr = p.sharded.data_ptr()
+                p.sharded = torch.nn.Parameter(as_dtensor(view, spec), requires_grad=p.requires_grad)
+            p.expected_ptr = view.data_ptr()
             p.register("sharded")
+            for owner, _ in [(p.module, p.name), *p.aliases]:
+                install_load_hook(owner)
             p.make_unsharded(self.param_dtype, device)
         self._sync_requires_grad()
         self.compute_device = device
@@ -167,7 +173,7 @@ class FSDPParamGroup:
             return False
         if current is not p.sharded:
             return True
-        return current.data_ptr() != p.expected_ptr or current.dtype not in self.flats
+        return local_of(current).data_ptr() != p.expected_ptr or current.dtype not in self.flats
 
     def _send_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's all-gather input in ``dtype``: the flat buffer itself when it has
@@ -282,12 +288,14 @@ class FSDPParamGroup:
             grads.append(g)
             p.unsharded.grad = None
         buf = self._pack_grads(grads)
+        all_had = all(g is not None for g in grads)
         self.counts["reduce_scatter"] += 1
         if self.k == 1:
-            self._reduce = (None, buf.view(-1))
+            self._reduce = (None, buf.view(-1), all_had)
         else:
             out = buf.new_empty(self.total + len(self.params))
-            self._reduce = (C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True), out)
+            work = C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True)
+            self._reduce = (work, out, all_had)
         self.needs_reduce = False
 
     def _pack_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
@@ -297,7 +305,12 @@ class FSDPParamGroup:
         after the reduce-scatter every rank knows how many ranks had one (a collective
         decision, so a parameter used on some ranks only still updates everywhere)."""
         n, k, dtype = len(self.params), self.k, self.reduce_dtype
-        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=self.compute_device)
+        if all(g is not None for g in grads):  # the usual case: a cached device tensor, no host-to-device copy
+            if self._ones is None or self._ones.dtype != dtype or self._ones.device != self.compute_device:
+                self._ones = torch.ones(n, dtype=dtype, device=self.compute_device)
+            flags = self._ones
+        else:
+            flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=self.compute_device)
         if self.all_even and all(g is not None and g.dtype == dtype for g in grads):
             return torch.cat([*(g.reshape(k, -1) for g in grads), flags.expand(k, n)], dim=1)  # one copy op
         buf = torch.empty((k, self.total + n), dtype=dtype, device=self.compute_device)
@@ -314,7 +327,7 @@ class FSDPParamGroup:
         parameters that had a gradient (``assign=False``: wait and discard)."""
         if self._reduce is None:
             return
-        work, out = self._reduce
+        work, out, all_had = self._reduce
         self._reduce = None
         if work is not None:
             work.wait()
@@ -322,16 +335,20 @@ class FSDPParamGroup:
             return
         out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
         out = out.div_(self.dp_size)
-        had_grad = out[self.total:].tolist()  # > 0 where any rank had a gradient (all ranks agree)
+        # Where this rank had every gradient, every parameter gets one: no need to read the
+        # flags (no host sync in a normal step). Otherwise the flags say which parameters
+        # some rank had a gradient for (all ranks agree); the others keep .grad None, as in torch.
+        had_grad = [1.0] * len(self.params) if all_had else out[self.total:].tolist()
         for p, flag in zip(self.params, had_grad):
             if flag <= 0:
-                continue  # no rank had a gradient: .grad stays None, as in torch
+                continue
             g = out[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
             g = g.to(p.sharded.device, p.sharded.dtype, non_blocking=True)
-            if p.sharded.grad is None:
-                p.sharded.grad = g
+            current = p.sharded.grad
+            if current is None:
+                p.sharded.grad = as_dtensor(g, p.spec(g.dtype))
             else:
-                p.sharded.grad += g
+                local_of(current).add_(g)
 
     # -- exact gathers (summon_full_params) ----------------------------------------------
     def gather_exact(self) -> list[torch.Tensor]:
@@ -353,3 +370,16 @@ class FSDPParamGroup:
             p.copy_in(gathered, full, offset=0)
             out.append(full)
         return out
+
+
+def _shard_source(p: FSDPParam, current: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of whatever the module holds: our own shard (local shape
+    ``shard_shape``), or the whole FSDP-unsharded (TP-local) parameter."""
+    local = local_of(current)
+    if tuple(local.shape) == p.shard_shape:
+        return local
+    if tuple(local.shape) == p.unsharded_shape:
+        return p.shard_of(local)
+    raise ValueError(f"fully_shard: parameter {p.fqn!r} was replaced by a tensor of local shape "
+                     f"{tuple(local.shape)}; expected this rank's shard {p.shard_shape} or the whole "
+                     f"{p.unsharded_shape} (load full tensors with load_state_dict, not by assigning)")

@@ -41,6 +41,16 @@ class ParallelStyle:
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:  # pragma: no cover
         raise NotImplementedError
 
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """``{parameter name: placement on the TP axis}`` this style gives ``module``'s own
+        parameters (checked for ties before anything changes, then applied)."""
+        return {}
+
+    def _shard_params(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        for name, placement in self.param_placements(module).items():
+            if module._parameters.get(name) is not None:
+                shard_parameter(module, name, placement, mesh, self.src_data_rank)
+
     def _require(self, module: nn.Module, fqn: str, types_: tuple[type, ...]) -> None:
         if not isinstance(module, types_):
             names = " or ".join(t.__name__ for t in types_)
@@ -115,11 +125,14 @@ class ColwiseParallel(ParallelStyle):
     def validate(self, module: nn.Module, fqn: str) -> None:
         self._require(module, fqn, (nn.Linear, nn.Embedding))
 
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        if isinstance(module, nn.Linear):
+            return {"weight": Shard(0), "bias": Shard(0)}
+        return {"weight": Shard(1)}
+
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
         is_linear = isinstance(module, nn.Linear)
-        shard_parameter(module, "weight", Shard(0 if is_linear else 1), mesh, self.src_data_rank)
-        if is_linear and module.bias is not None:
-            shard_parameter(module, "bias", Shard(0), mesh, self.src_data_rank)
+        self._shard_params(module, mesh)
         group, in_layout, out_layout = mesh.get_group(), self.input_layout, self.output_layout
         global_out = module.out_features if is_linear else module.embedding_dim
 
@@ -162,20 +175,22 @@ class RowwiseParallel(ParallelStyle):
         if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
             raise TypeError(f"RowwiseParallel on {fqn!r}: nn.Embedding with max_norm or sparse=True is not supported")
 
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        if isinstance(module, nn.Linear):
+            return {"weight": Shard(1), "bias": Replicate()}
+        return {"weight": Shard(0)}
+
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
         group, out_layout = mesh.get_group(), self.output_layout
+        self._shard_params(module, mesh)
         if isinstance(module, nn.Linear):
-            shard_parameter(module, "weight", Shard(1), mesh, self.src_data_rank)
-            if module.bias is not None:
-                shard_parameter(module, "bias", Replicate(), mesh, self.src_data_rank)
-                if isinstance(out_layout, Shard):  # bias meets sequence shards: partial grads
-                    mark_partial_grads(module, ("bias",), group)
+            if module.bias is not None and isinstance(out_layout, Shard):  # bias meets sequence shards
+                mark_partial_grads(module, ("bias",), group)  # partial grads
             in_layout = self.input_layout
             module.register_forward_pre_hook(
                 lambda mod, args: (redistribute(args[0], in_layout, Shard(-1), group), *args[1:]))
             module.forward = types.MethodType(_rowwise_linear_forward, module)
         else:
-            shard_parameter(module, "weight", Shard(0), mesh, self.src_data_rank)
             module.forward = types.MethodType(_vocab_parallel_embedding_forward, module)
         module._fsdp2d_reduce = lambda y: redistribute(y, Partial(), out_layout, group)
 
@@ -240,11 +255,12 @@ class SequenceParallel(ParallelStyle):
             raise TypeError(f"SequenceParallel on {fqn or '<root>'!r}: the module has no parameters of its own "
                             f"(it applies to leaf modules such as norms); match the norm modules instead")
 
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        return {n: Replicate() for n, _ in module.named_parameters(recurse=False)}
+
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
-        names = [n for n, _ in module.named_parameters(recurse=False)]
-        for name in names:
-            shard_parameter(module, name, Replicate(), mesh, self.src_data_rank)
-        mark_partial_grads(module, tuple(names), mesh.get_group())
+        self._shard_params(module, mesh)
+        mark_partial_grads(module, tuple(self.param_placements(module)), mesh.get_group())
 
 
 def _as_tuple(layouts: Any) -> tuple:

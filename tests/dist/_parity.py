@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp2d
+from fsdp2d._dtensor import local_of
 from fsdp2d.bridge import gather_full
 from fsdp2d.models import GPT2, GPT2Args, Llama, LlamaArgs, gpt2_tp_plan, llama_tp_plan
 
@@ -119,9 +120,9 @@ def full_tensors(model: torch.nn.Module, mesh, which: str) -> dict[str, torch.Te
     out = {}
     for fqn, p in model.named_parameters():
         t = p.detach() if which == "param" else p.grad
-        t = torch.zeros_like(p) if t is None else t.float()
+        t = torch.zeros_like(local_of(p)) if t is None else local_of(t).float()
         lay = layouts.get(fqn)
-        out[fqn] = t if lay is None else gather_full(t.contiguous(), lay, mesh[tuple(lay.axis_names)])
+        out[fqn] = t if lay is None else gather_full(t.contiguous(), lay, mesh)
     return out
 
 
