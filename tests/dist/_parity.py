@@ -45,15 +45,19 @@ class Setup:
     microbatches: int = 1         # gradient accumulation
     param_dtype: torch.dtype | None = None
     check_grads: bool = False
+    tied: bool = False            # GPT-2 only: lm_head.weight is wte.weight
 
 
-def build(kind: str) -> torch.nn.Module:
+def build(kind: str, tied: bool = False) -> torch.nn.Module:
     torch.manual_seed(1234)
     if kind == "llama":
         # Uneven on purpose: ffn hidden 40 and vocab 96 split unevenly over dp x tp.
         return Llama(LlamaArgs(dim=32, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=VOCAB,
                                multiple_of=8, max_seq_len=SEQ))
-    return GPT2(GPT2Args(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, block_size=SEQ))
+    model = GPT2(GPT2Args(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, block_size=SEQ))
+    if tied:  # GPT-2's default: the LM head is the token embedding
+        model.lm_head.weight = model.wte.weight
+    return model
 
 
 def plan_for(kind: str, s: Setup) -> dict:
@@ -147,7 +151,7 @@ def grad_error(model, mesh, x, y, s: Setup) -> dict[str, float]:
       so its own norm is the wrong yardstick. A real fault (a missing or doubled
       reduction) is an error as large as the tensor's gradient and shows up either way.
     """
-    probe = build(s.model)
+    probe = build(s.model, s.tied)
     with torch.no_grad():
         weights = full_tensors(model, mesh, "param")
         for fqn, p in probe.named_parameters():
@@ -164,7 +168,7 @@ def grad_error(model, mesh, x, y, s: Setup) -> dict[str, float]:
 
 def run(s: Setup) -> dict:
     torch.set_num_threads(1)
-    ref = build(s.model)
+    ref = build(s.model, s.tied)
     model = copy.deepcopy(ref)
     mesh, _ = parallelize(model, s)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=EPS)
@@ -199,4 +203,6 @@ def run(s: Setup) -> dict:
     worst["param_abs"] = max(v for n, v in errs.items() if not n.endswith(ZERO_GRAD))
     worst["param_abs_zero_grad"] = max((v for n, v in errs.items() if n.endswith(ZERO_GRAD)), default=0.0)
     worst["losses"] = losses
+    if s.tied:
+        worst["tied"] = model.lm_head.weight is model.wte.weight
     return worst
