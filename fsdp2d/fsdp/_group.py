@@ -16,16 +16,19 @@ the end of backward, before the optimizer can run).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from .. import _collectives as C
 from .._dtensor import as_dtensor, install_load_hook, local_of
+from .._stale import mark_replaced
 from ._param import FSDPParam
 
 
@@ -82,7 +85,6 @@ class FSDPParamGroup:
         for p in params:
             p.offset, offset = offset, offset + p.segment_numel
         self.total = offset
-        self.all_even = all(p.even for p in params)  # every segment splits without padding
         dtypes = {p.sharded.dtype for p in params}
         if len(dtypes) > 1 and mp.param_dtype is None:
             names = ", ".join(f"{p.fqn}: {p.sharded.dtype}" for p in params[:6])
@@ -138,13 +140,16 @@ class FSDPParamGroup:
                 src = _shard_source(p, current)
                 if src.device.type != "meta" and store.type != "meta":
                     view.copy_(src)
-            spec = p.spec(current.dtype)
+            spec, old = p.spec(current.dtype), p.sharded
             if isinstance(current, DTensor) and isinstance(current, torch.nn.Parameter) and current._spec == spec:
                 current._local_tensor = view  # keep the object the optimizer may already hold
                 p.sharded = current
             else:
                 p.sharded = torch.nn.Parameter(as_dtensor(view, spec), requires_grad=p.requires_grad)
-            p.expected_ptr = view.data_ptr()
+                mark_replaced(current, p.fqn, "fully_shard")
+            if old is not current and old is not p.sharded:
+                mark_replaced(old, p.fqn, "to_empty(), .to() or load_state_dict(assign=True) on the model")
+            p.expected_local = view
             p.register("sharded")
             for owner, _ in [(p.module, p.name), *p.aliases]:
                 install_load_hook(owner)
@@ -160,7 +165,7 @@ class FSDPParamGroup:
                 p.unsharded.requires_grad_(wanted)
             p.requires_grad = wanted
             if wanted and not getattr(p.unsharded, "_fsdp2d_hooked", False):
-                p.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.unsharded.register_post_accumulate_grad_hook(_weak_hook(self))
                 p.unsharded._fsdp2d_hooked = True
         self.num_trainable = sum(p.requires_grad for p in self.params)
 
@@ -173,7 +178,7 @@ class FSDPParamGroup:
             return False
         if current is not p.sharded:
             return True
-        return local_of(current).data_ptr() != p.expected_ptr or current.dtype not in self.flats
+        return not _same_storage(local_of(current), p.expected_local) or current.dtype not in self.flats
 
     def _send_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's all-gather input in ``dtype``: the flat buffer itself when it has
@@ -235,12 +240,9 @@ class FSDPParamGroup:
         gathered = out.view(self.k, self.total)
         for p in self.params:
             p.alloc_unsharded()
-        if self.all_even and self.params:  # one copy op for the whole group
+        if self.params:  # one copy op for the whole group, into the padded unsharded storage
             torch.split_with_sizes_copy(gathered, [p.segment_numel for p in self.params], dim=1,
-                                        out=[p.unsharded.data.view(self.k, -1) for p in self.params])
-        else:
-            for p in self.params:
-                p.copy_in(gathered)
+                                        out=[p.padded.view(self.k, -1) for p in self.params])
         self._gather = None
         self.unsharded = True
         self._gathered_versions = self._shard_versions()
@@ -311,15 +313,12 @@ class FSDPParamGroup:
             flags = self._ones
         else:
             flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=self.compute_device)
-        if self.all_even and all(g is not None and g.dtype == dtype for g in grads):
-            return torch.cat([*(g.reshape(k, -1) for g in grads), flags.expand(k, n)], dim=1)  # one copy op
+        grads = [torch.zeros(p.unsharded_shape, dtype=dtype, device=self.compute_device) if g is None
+                 else g.to(dtype) for p, g in zip(self.params, grads)]  # .to: no-op when it matches
         buf = torch.empty((k, self.total + n), dtype=dtype, device=self.compute_device)
-        for p, g in zip(self.params, grads):
-            if g is None:
-                buf[:, p.offset:p.offset + p.segment_numel].zero_()
-            else:
-                p.copy_grad_out(g, buf)
-        buf[:, self.total:] = flags
+        # Each gradient chunked over the k ranks along dim 0 (torch.chunk sizes, zero-padded
+        # to padded_rows), rank-major: one op, even or not, at any k.
+        torch._chunk_cat([*grads, flags.expand(k, n)], dim=0, num_chunks=k, out=buf)
         return buf
 
     def finish_reduce(self, assign: bool = True) -> None:
@@ -383,3 +382,25 @@ def _shard_source(p: FSDPParam, current: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"fully_shard: parameter {p.fqn!r} was replaced by a tensor of local shape "
                      f"{tuple(local.shape)}; expected this rank's shard {p.shard_shape} or the whole "
                      f"{p.unsharded_shape} (load full tensors with load_state_dict, not by assigning)")
+
+
+def _weak_hook(group: FSDPParamGroup):
+    """A gradient hook that refers to its group weakly: hooks live in C++ on the tensor,
+    where Python's garbage collector cannot see a cycle back to the group, its modules
+    and the model (with a strong reference a dropped model would never be freed)."""
+    ref = weakref.ref(group)
+
+    def hook(param: torch.Tensor) -> None:
+        g = ref()
+        if g is not None:
+            g._on_grad_ready(param)
+
+    return hook
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` still is the view ``b`` (in-place DTensor ops may rewrap the local
+    tensor, so compare the memory; fake tensors have none to compare)."""
+    if is_fake(a) or a.device.type == "meta":
+        return a is b
+    return a.data_ptr() == b.data_ptr()

@@ -13,10 +13,12 @@ tensor is a view of this rank's rows in the flat buffer and whose spec is the 2D
 the module computes with; its storage is freed (resized to 0) while resharded and
 refilled by the all-gather, so autograd's saved references stay valid.
 
-Uneven splits cost a constant number of copies, whatever the number of ranks: with
+Uneven splits cost nothing extra per step, whatever the number of ranks: with
 ``torch.chunk`` semantics every rank but the last non-empty one holds ``padded_rows``
-rows, so the padded ``(k, padded_rows)`` segments read in rank order hold the real rows
-first (see ``_full_ranks``).
+rows, so the padded ``(k, padded_rows)`` segments read in rank order hold the real
+rows first. The unsharded storage keeps that padded layout (the parameter is a view of
+its first rows) and gradients are packed with ``torch._chunk_cat``: one op per group
+each way, the same ops for even and uneven shapes at any number of ranks.
 """
 
 from __future__ import annotations
@@ -84,12 +86,9 @@ class FSDPParam:
         self.store_offset = 0  # in this parameter's dtype's flat storage
         self.axis_groups: dict = {}  # mesh axis name -> process group, for every layout axis
         self.unsharded: nn.Parameter | None = None
+        self.padded: torch.Tensor | None = None  # the unsharded storage, k * padded_rows rows
         self.acc_grad: torch.Tensor | None = None  # no-sync accumulation in reduce_dtype
-        self.expected_ptr = 0  # data_ptr of the sharded view: a change means replaced storage
-
-    @property
-    def even(self) -> bool:
-        return self.padded_rows * self.num_shards == self.unsharded_shape[0]
+        self.expected_local: torch.Tensor | None = None  # the sharded view; another means replaced
 
     def spec(self, dtype: torch.dtype):
         """The DTensor spec of the sharded parameter (and its gradient) in ``dtype``."""
@@ -97,24 +96,26 @@ class FSDPParam:
             self._specs[dtype] = spec_of(self.layout, self.mesh, dtype)
         return self._specs[dtype]
 
-    def _full_ranks(self) -> tuple[int, int]:
-        """(ranks holding ``padded_rows`` rows, rows of the one partial rank after them)."""
-        rows = self.unsharded_shape[0]
-        full = rows // self.padded_rows if self.padded_rows else 0
-        return full, rows - full * self.padded_rows
+
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a tensor of the unsharded shape."""
         start, n = self.shard_rows
         return full[start:start + n]
 
     def make_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
-        """(Re)create the persistent unsharded parameter, storage freed."""
-        t = torch.empty(self.unsharded_shape, dtype=dtype, device=device)
-        self.unsharded = nn.Parameter(t, requires_grad=self.requires_grad)
+        """(Re)create the persistent unsharded parameter, storage freed. Its storage holds
+        ``k * padded_rows`` rows (the all-gather's layout: one copy per group, even or
+        not); the parameter is a view of the first ``rows`` of them."""
+        padded = torch.empty(self.num_shards * self.segment_numel, dtype=dtype, device=device)
+        rows = padded[:self.unsharded_shape[0] * self.row_numel].view(self.unsharded_shape)
+        self.unsharded = nn.Parameter(rows, requires_grad=self.requires_grad)
+        # .data: the same storage with its own version counter, so refilling what autograd
+        # saved (a re-gather before backward) is not an in-place modification error
+        self.padded = padded.data
         self.free_unsharded()
 
     def alloc_unsharded(self) -> None:
-        t = self.unsharded
+        t = self.padded
         nbytes = t.numel() * t.element_size()
         if t.untyped_storage().size() != nbytes:
             t.untyped_storage().resize_(nbytes)
@@ -123,38 +124,14 @@ class FSDPParam:
         if self.unsharded is not None and self.unsharded.device.type != "meta":
             self.unsharded.untyped_storage().resize_(0)
 
-    def copy_in(self, gathered: torch.Tensor, dst: torch.Tensor | None = None, offset: int | None = None) -> None:
-        """Fill ``dst`` (default: ``unsharded``) from the all-gathered flat buffer viewed
-        (k, total), this parameter's segment starting at ``offset`` (default: its own)."""
+    def copy_in(self, gathered: torch.Tensor, dst: torch.Tensor, offset: int | None = None) -> None:
+        """Fill ``dst`` (the unsharded shape) from the all-gathered flat buffer viewed
+        (k, total), this parameter's segment starting at ``offset`` (default: its own).
+        Not on the training path (which copies into the padded storage, see above)."""
         offset = self.offset if offset is None else offset
         seg = gathered[:, offset:offset + self.segment_numel]
-        # .data: a fresh version counter, so refilling what autograd saved is not an in-place error
-        dst = self.unsharded.data if dst is None else dst
-        if self.even:
-            dst.view(self.num_shards, -1).copy_(seg)
-            return
-        full, rest = self._full_ranks()  # at most two copies, whatever the number of ranks
-        split = full * self.padded_rows
-        if full:
-            dst[:split].view(full, -1).copy_(seg[:full])
-        if rest:
-            dst[split:].view(-1).copy_(seg[full, :rest * self.row_numel])
-
-    def copy_grad_out(self, grad: torch.Tensor, buf: torch.Tensor) -> None:
-        """Write ``grad`` (unsharded shape) into the reduce-scatter input viewed (k, total),
-        zeros in the padding (a constant number of ops, whatever the number of ranks)."""
-        seg = buf[:, self.offset:self.offset + self.segment_numel]
-        if self.even:
-            seg.copy_(grad.reshape(self.num_shards, -1))
-            return
-        full, rest = self._full_ranks()
-        split = full * self.padded_rows
-        if full:
-            seg[:full].copy_(grad[:split].reshape(full, -1))
-        if full < self.num_shards:
-            seg[full:].zero_()
-        if rest:
-            seg[full, :rest * self.row_numel].copy_(grad[split:].reshape(-1))
+        rows = self.unsharded_shape[0] * self.row_numel
+        dst.view(-1).copy_(seg.reshape(-1)[:rows])
 
     def register(self, which: str) -> None:
         """Make the owning module (and any module it is tied to) hold the sharded or the

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _collectives as C
 from .._dtensor import as_dtensor, install_load_hook, spec_of
+from .._stale import mark_replaced
 from ..mesh import DeviceMesh
 from ..placement import Layout, Placement
 
@@ -52,7 +53,7 @@ TIES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fsdp2d_tp_ti
 
 
 def shard_parameter(module: nn.Module, name: str, placement: Placement, mesh: DeviceMesh,
-                    src_data_rank: int | None) -> None:
+                    src_data_rank: int | None, *, fqn: str | None = None) -> None:
     """Replace ``module.<name>`` by this rank's piece under ``placement`` on ``mesh``.
 
     With ``src_data_rank`` (default 0, as torch), the full value is first broadcast from
@@ -78,6 +79,7 @@ def shard_parameter(module: nn.Module, name: str, placement: Placement, mesh: De
         if ties is not None:
             ties[id(param)] = new
     module._parameters[name] = new
+    mark_replaced(param, fqn or name, "parallelize_module")
     install_load_hook(module)
     if "_fsdp2d_tp" not in module.__dict__:
         module._fsdp2d_tp = {}

@@ -45,7 +45,7 @@ class SequenceParallel(ParallelStyle):
         return {n: Replicate() for n, _ in module.named_parameters(recurse=False)}
 
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
-        self._shard_params(module, mesh)
+        self._shard_params(module, mesh, fqn)
         mark_partial_grads(module, tuple(self.param_placements(module)), mesh.get_group())
         group, seq, use_local = mesh.get_group(), Shard(self.sequence_dim), self.use_local_output
 

@@ -49,10 +49,11 @@ class ParallelStyle:
         parameters (checked for ties before anything changes, then applied)."""
         return {}
 
-    def _shard_params(self, module: nn.Module, mesh: DeviceMesh) -> None:
+    def _shard_params(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
         for name, placement in self.param_placements(module).items():
             if module._parameters.get(name) is not None:
-                shard_parameter(module, name, placement, mesh, self.src_data_rank)
+                shard_parameter(module, name, placement, mesh, self.src_data_rank,
+                                fqn=f"{fqn}.{name}" if fqn else name)
 
     def _require(self, module: nn.Module, fqn: str, types_: tuple[type, ...]) -> None:
         if not isinstance(module, types_):
@@ -105,7 +106,7 @@ class ColwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
         is_linear = isinstance(module, nn.Linear)
-        self._shard_params(module, mesh)
+        self._shard_params(module, mesh, fqn)
         group, in_layout, out_layout = mesh.get_group(), self.input_layout, self.output_layout
         global_out, use_local = (module.out_features if is_linear else module.embedding_dim), self.use_local_output
 
@@ -160,7 +161,7 @@ class RowwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
         group, in_layout, out_layout = mesh.get_group(), self.input_layout, self.output_layout
-        self._shard_params(module, mesh)
+        self._shard_params(module, mesh, fqn)
         is_linear = isinstance(module, nn.Linear)
         needed = Shard(-1) if is_linear else Replicate()
 
