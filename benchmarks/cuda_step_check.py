@@ -14,26 +14,15 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2d
+from fsdp2d.debug import OpCounter
 from fsdp2d.models import Llama, LlamaArgs, llama_tp_plan
-
-
-class Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def check(world: int, tp: int, uneven: bool) -> dict:
@@ -57,7 +46,7 @@ def check(world: int, tp: int, uneven: bool) -> dict:
         for step in range(3):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if step else "default")  # step 0 sets up
-            with Ops() as ops:
+            with OpCounter() as ops:
                 loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
                 loss.backward()
                 fsdp2d.clip_grad_norm_(model.parameters(), 1.0)

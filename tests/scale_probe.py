@@ -14,16 +14,15 @@ from __future__ import annotations
 import gc
 import json
 import weakref
-from collections import Counter
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2d
+from fsdp2d.debug import OpCounter
 from fsdp2d.models import Llama, LlamaArgs, llama_tp_plan
 
 TP = 2
@@ -37,16 +36,6 @@ SHAPES = {
     "uneven": dict(dim=12, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=1001, multiple_of=2,
                    ffn_dim_multiplier=1.15, max_seq_len=16),
 }
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def build(world: int, kind: str):
