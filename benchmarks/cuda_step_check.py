@@ -7,7 +7,7 @@ fsdp2d's step runs on the GPU as it would on a real job, and
 the host (``.item()``, ``.tolist()``, ``nonzero``, a blocking copy) raise. Also reports
 the kernels (CUDA ops) a step launches at two data-parallel sizes.
 
-    python benchmarks/cuda_step_check.py            # needs one CUDA GPU; not part of CI
+    python benchmarks/cuda_step_check.py [WORLD ...]   # needs one CUDA GPU; not part of CI
 """
 
 from __future__ import annotations
@@ -60,12 +60,31 @@ def check(world: int, tp: int, uneven: bool) -> dict:
         dist.destroy_process_group()
 
 
+def _older_torch_shims() -> list[str]:
+    """fsdp2d needs torch 2.13; a GPU machine with an older torch lacks two of its
+    collective entry points. Map them to their older equivalents (same semantics) so the
+    check can run there; report that it did."""
+    shims = []
+    if not hasattr(dist, "all_gather_single"):
+        dist.all_gather_single = lambda out, inp, group=None, async_op=False: \
+            dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+        shims.append("all_gather_single -> all_gather_into_tensor")
+    if not hasattr(dist, "reduce_scatter_single"):
+        dist.reduce_scatter_single = lambda out, inp, op=dist.ReduceOp.SUM, group=None, async_op=False: \
+            dist.reduce_scatter_tensor(out, inp, op=op, group=group, async_op=async_op)
+        shims.append("reduce_scatter_single -> reduce_scatter_tensor")
+    return shims
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 2
+    print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+                      "shims": _older_torch_shims()}))
     out = {}
-    for world, tp in ((16, 2), (2048, 2)):
+    worlds = [int(w) for w in sys.argv[1:]] or [16, 2048]  # one process per size is cleanest
+    for world, tp in ((w, 2) for w in worlds):
         for uneven in (False, True):
             key = f"dp{world // tp}-tp{tp}-{'uneven' if uneven else 'even'}"
             try:

@@ -1,12 +1,13 @@
 """One ``fully_shard`` group: a flat buffer, one all-gather, one reduce-scatter.
 
 All parameters managed by one ``fully_shard`` call share a flat 1-D buffer of
-``sum(segment_numel)`` elements per rank; each sharded ``nn.Parameter`` is a view into
-it, so the all-gather sends the buffer itself (no packing copy) and the optimizer's
-in-place updates land in it. ``unshard`` gathers ``(k, total)`` and copies each
-parameter out; ``reduce_grads`` packs the unsharded gradients into ``(k, total)``,
-reduce-scatters into ``(total,)`` and hands each sharded parameter a view of it as
-its ``.grad`` (averaged over the data-parallel ranks, in ``reduce_dtype``).
+``sum(segment_numel)`` elements per rank; each sharded ``nn.Parameter`` is a DTensor
+whose local tensor is a view into it, so the all-gather sends the buffer itself (no
+packing copy) and the optimizer's in-place updates land in it. ``unshard`` gathers
+``(k, total)`` and copies every parameter out with one op; ``reduce_grads`` packs the
+unsharded gradients into ``(k, total)`` with one op, reduce-scatters into ``(total,)``
+and hands each sharded parameter a DTensor gradient whose local tensor is a view of it
+(averaged over the data-parallel ranks, in ``reduce_dtype``).
 
 Both collectives can be asynchronous (gloo and NCCL run them on their own threads or
 streams): ``unshard(async_op=True)`` returns at once and ``wait_unshard`` finishes it;
@@ -21,10 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
-
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _collectives as C
 from .._dtensor import as_dtensor, install_load_hook, local_of
@@ -400,7 +400,9 @@ def _weak_hook(group: FSDPParamGroup):
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` still is the view ``b`` (in-place DTensor ops may rewrap the local
-    tensor, so compare the memory; fake tensors have none to compare)."""
-    if is_fake(a) or a.device.type == "meta":
+    tensor, so compare the memory; fake and meta tensors have none to compare). The
+    device matters too: ``to_empty()`` swaps a DTensor parameter's contents in place, and
+    an empty shard has data pointer 0 on the meta device and on the new one alike."""
+    if is_fake(a) or a.device.type == "meta" or is_fake(b) or b.device.type == "meta":
         return a is b
-    return a.data_ptr() == b.data_ptr()
+    return a.device == b.device and a.data_ptr() == b.data_ptr()
