@@ -209,3 +209,29 @@ def test_dcp_checkpoints_cross_torch_native_and_fsdp2d(pool, tmp_path, kind):
     expected_ours = pool.run(job_save, "fsdp2d", kind, ours_ckpt)[0]
     for bad in pool.run(job_load, "torch", kind, "2x2", ours_ckpt, expected_ours):
         assert bad == [], bad
+
+
+def job_tp_only_clip() -> dict:
+    """TP without fully_shard, as with torch: parameters no style touches stay plain, so
+    torch's clip_grad_norm_ refuses the mix loudly; fsdp2d's gives the true norm."""
+    import fsdp2d
+    from .pool import capture_error
+
+    torch.set_num_threads(1)
+    s = P.Setup(model="llama", mesh=(1, 4), fsdp=False)
+    ref = P.build("llama")
+    model = copy.deepcopy(ref)
+    mesh, _ = P.parallelize(model, s)
+    x, y = P.batch_for(0, s)
+    P.loss_of(model, x, y, s).backward()
+    F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()
+    ours = fsdp2d.clip_grad_norm_(model.parameters(), float("inf")).item()
+    return {"rel": abs(ours - ref_norm) / ref_norm,
+            "torch": capture_error(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))}
+
+
+def test_tp_only_model_torch_clip_refuses_mix_loudly(pool):
+    for r in pool.run(job_tp_only_clip):
+        assert r["rel"] < 1e-6, r
+        assert r["torch"] is not None and "mixed torch.Tensor and DTensor" in r["torch"][1], r["torch"]
