@@ -74,12 +74,16 @@ class CheckpointManager:
         steps = self.steps()
         return self.path(steps[-1]) if steps else None
 
+    def remove(self, step: int) -> None:
+        """Delete the checkpoint of ``step`` (not collective: call on one rank)."""
+        _commit.remove(self.path(step))
+
     def save(self, step: int, model: torch.nn.Module, optimizer=None, *, extra: dict | None = None) -> Path:
         path = self.path(step)
         save(path, model, optimizer, extra=extra)
         if self.keep_last and (not dist.is_initialized() or dist.get_rank() == 0):
             for old in self.steps()[:-self.keep_last]:
-                _commit.remove(self.path(old))
+                self.remove(old)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return path
