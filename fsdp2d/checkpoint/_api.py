@@ -155,7 +155,7 @@ def inspect(ckpt: str | os.PathLike) -> str:
              f"saved on {index['world_size']} ranks, mesh "
              + (" x ".join(f"{a}={s}" for a, s in zip(mesh["axes"], mesh["shape"])) or "(none)"),
              f"files: {len(index['files'])}, {sum(f['size'] for f in index['files'].values()) / 2**20:.2f} MiB",
-             f"extra: {json.dumps(index['extra'])}", "", f"{'tensor':<60} {'dtype':<9} {'shape':<18} boxes"]
+             f"id: {index.get('id', '(none)')}", f"extra: {json.dumps(index['extra'])}", "", f"{'tensor':<60} {'dtype':<9} {'shape':<18} boxes"]
     for name, meta in sorted(index["tensors"].items()):
         lines.append(f"{name:<60} {meta['dtype']:<9} {str(tuple(meta['shape'])):<18} {len(meta['boxes'])}")
     return "\n".join(lines)

@@ -30,7 +30,9 @@ import fcntl
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from ._files import version_pattern
 from ._index import INDEX, CheckpointError
@@ -44,25 +46,29 @@ def tmp_path(path: Path, nonce: str) -> Path:
     return path.parent / f".{path.name}.tmp-{nonce}"
 
 
-def _lock(fd: int, block: bool = True) -> bool:
-    """flock(LOCK_EX); False if another holder has it (non-blocking). Filesystems
-    without flock (some network mounts) get no lock: concurrent savers then only risk
-    leftovers, never a broken PATH."""
+def _lock(fd: int, block: bool = True) -> bool | None:
+    """flock(LOCK_EX): True once held, False if another holder has it (non-blocking),
+    None on a filesystem without flock (some network mounts): there concurrent savers
+    are not serialized and killed saves' folders are kept (never a broken PATH)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
         return True
     except BlockingIOError:
         return False
     except OSError:
-        return True
+        return None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+@contextmanager
+def _parent_locked(path: Path) -> Iterator[int]:
+    """A descriptor of ``path``'s parent folder, holding its lock (saves to any path in
+    it take turns at creating, committing and cleaning up)."""
+    pfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
+        _lock(pfd)
+        yield pfd
     finally:
-        os.close(fd)
+        os.close(pfd)  # (releases the lock)
 
 
 def begin(path: Path, nonce: str) -> int:
@@ -77,9 +83,10 @@ def begin(path: Path, nonce: str) -> int:
                                   f"(remove it or save elsewhere)")
     tmp = tmp_path(path, nonce)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
-    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    _lock(fd)
+    with _parent_locked(path):  # a cleanup must not see the new folder before it is locked
+        tmp.mkdir()
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        _lock(fd)
     return fd
 
 
@@ -93,23 +100,22 @@ def commit(path: Path, nonce: str, fd: int) -> None:
     """(Rank 0.) Make the finished temporary folder the checkpoint at ``path``."""
     parent, name = path.parent, path.name
     version, link = f".{name}.v{nonce}", f".{name}.link-{nonce}"
-    pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        _lock(pfd)
-        os.rename(tmp_path(path, nonce), parent / version)
-        phase("rename")
-        os.symlink(version, parent / link)
-        phase("link")
-        if path.is_dir() and not path.is_symlink():
-            _replace_plain_folder(pfd, parent, link, path)
-        else:
-            os.replace(parent / link, path)
-        phase("replace")
-        os.fsync(pfd)
-        cleanup(path)
-        phase("cleanup")
+        os.fsync(fd)  # the folder's entries (every file was fsynced by its writer)
+        with _parent_locked(path) as pfd:
+            os.rename(tmp_path(path, nonce), parent / version)
+            phase("rename")
+            os.symlink(version, parent / link)
+            phase("link")
+            if path.is_dir() and not path.is_symlink():
+                _replace_plain_folder(pfd, parent, link, path)
+            else:
+                os.replace(parent / link, path)
+            phase("replace")
+            os.fsync(pfd)
+            cleanup(path)
+            phase("cleanup")
     finally:
-        os.close(pfd)  # (releases the parent's lock)
         os.close(fd)
 
 
@@ -158,7 +164,7 @@ def _abandoned(folder: Path) -> bool:
     except OSError:
         return False
     try:
-        return _lock(fd, block=False)
+        return _lock(fd, block=False) is True  # (no flock: cannot tell, keep it)
     finally:
         os.close(fd)
 
@@ -173,10 +179,6 @@ def _remove(p: Path) -> None:
 def remove(path: Path) -> None:
     """Delete the checkpoint at ``path`` (the link first, so it vanishes at once)."""
     path = Path(path)
-    pfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        _lock(pfd)
+    with _parent_locked(path):
         _remove(path)
         cleanup(path)
-    finally:
-        os.close(pfd)

@@ -113,14 +113,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     """
     rank, _ = _rank_world()
     path = Path(path)
-    entries, meta, error = [], [], ""
-    try:
-        entries, meta = _local_meta(model, optimizer, extra)
-    except Exception as exc:
-        error = f"rank {rank}: {exc!r}"
-    gathered = _all_gather_objects((meta, error, uuid.uuid4().hex[:16]))
-    _fail_together(path, [e for _, e, _ in gathered if e])
-    all_meta, nonce = [m for m, _, _ in gathered], gathered[0][2]
+    entries, all_meta, nonce = _plan(path, rank, model, optimizer, extra)
     writer = _assign_writers(all_meta)
     lock, error = None, ""
     if rank == 0:
@@ -155,6 +148,19 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             _commit.abort(path, nonce, lock)
             error = f"rank 0: committing {path}: {exc!r}"
     _fail_together(path, _errors_everywhere(error))
+
+
+def _plan(path: Path, rank: int, model, optimizer, extra) -> tuple[list[Entry], list, str]:
+    """The first collective: every rank's boxes, or any rank's local error (raised on
+    all ranks), and the save's id (rank 0's)."""
+    entries, meta, error = [], [], ""
+    try:
+        entries, meta = _local_meta(model, optimizer, extra)
+    except Exception as exc:
+        error = f"rank {rank}: {exc!r}"
+    gathered = _all_gather_objects((meta, error, uuid.uuid4().hex[:16]))
+    _fail_together(path, [e for _, e, _ in gathered if e])
+    return entries, [m for m, _, _ in gathered], gathered[0][2]
 
 
 def _assign_writers(all_meta: list[list]) -> dict[str, int]:

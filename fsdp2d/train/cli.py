@@ -42,7 +42,7 @@ def _split(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def train(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        print("usage: fsdp2d train --config FILE.toml [--resume] [--section.key=value ...]\n")
+        print("usage: fsdp2d train --config FILE.toml [--resume | --overwrite] [--section.key=value ...]\n")
         print(help_text())
         return 0
     try:

@@ -117,3 +117,24 @@ def test_concurrent_savers_do_not_leak_copies(tmp_path):
     assert _left(path) == [], _left(path)
     got = _loaded(path)
     assert any(_equal(got, _state(100 + 10 * w + 3)) for w in range(3))
+
+
+def test_a_plain_checkpoint_folder_is_replaced_and_other_folders_are_not(tmp_path):
+    """A plain folder (an older checkpoint, an export) is swapped for the link; a folder
+    that is not a checkpoint is never replaced."""
+    import shutil
+
+    import pytest
+
+    ckpt.save(tmp_path / "src" / "s", K.build_stack(SPEC, seed=0))
+    path = tmp_path / "run" / "c"
+    shutil.copytree((tmp_path / "src" / "s").resolve(), path)
+    ckpt.save(path, K.build_stack(SPEC, seed=1))
+    assert path.is_symlink() and _left(path) == [] and _equal(_loaded(path), _state(1))
+    other = tmp_path / "run" / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    with pytest.raises(ckpt.CheckpointError, match="not an fsdp2d checkpoint; not replacing it"):
+        ckpt.save(other, K.build_stack(SPEC, seed=2))
+    assert (other / "todo.txt").read_text() == "keep me"
+    assert sorted(os.listdir(tmp_path / "run")) == sorted(["c", os.readlink(path), "notes"])

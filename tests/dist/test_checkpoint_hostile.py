@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,11 +79,13 @@ def _edit(path: Path, fn) -> None:
     (path / INDEX).write_text(json.dumps(index))
 
 
-def _refused(path: Path, match: str | None = None, optim: bool = True) -> str:
+def _refused(path: Path, match: str | None = None, optim: bool = True, opened: list | None = None) -> str:
     model, opt = _trained(seed=1, steps=2)
     before = _snapshot(model, opt)
-    with pytest.raises(ckpt.CheckpointError) as err:
+    with pytest.raises(ckpt.CheckpointError) as err, _opens() as seen:
         ckpt.load(path, model, opt if optim else None)
+    if opened is not None:
+        opened += seen
     assert _identical(before, _snapshot(model, opt)), "a failed load changed the model or optimizer"
     if match is not None:
         assert match in str(err.value), str(err.value)
@@ -90,10 +93,11 @@ def _refused(path: Path, match: str | None = None, optim: bool = True) -> str:
 
 
 _OPENED: list | None = None
+_THREAD = threading.get_ident()
 
 
 def _audit(event, args):
-    if event == "open" and _OPENED is not None:
+    if event == "open" and _OPENED is not None and threading.get_ident() == _THREAD:
         _OPENED.append(args[0])
 
 
@@ -142,8 +146,8 @@ def test_files_outside_the_folder_are_never_opened(saved):
                     b["file"] = name
         raw = (saved / INDEX).read_text()
         _edit(saved, point)
-        with _opens() as opened:
-            msg = _refused(saved)
+        opened = []
+        msg = _refused(saved, opened=opened)
         assert not _inside(opened, saved), (name, opened)
         assert f"{secret_size} bytes" not in msg and str(outside.stat().st_size) not in msg, msg
         (saved / INDEX).write_text(raw)
