@@ -36,7 +36,7 @@ import torch.distributed as dist
 from safetensors.torch import save as st_save
 
 from ..placement import Box
-from . import _commit
+from . import _commit, _files
 from ._entries import (Entry, materialize_state, model_entries, optimizer_entries, optimizer_hparams,
                        param_fqns)
 from ._files import Folder, _digest
@@ -246,8 +246,7 @@ def read_box(folder: Folder, meta: dict, name: str, target: Box) -> torch.Tensor
                               f"{', overlapping' if overlap else ''}); the index is damaged")
     for b, _, _ in parts:
         folder.check(b, meta["dtype"])
-    from ._files import _empty
-    out = _empty(target.local_shape, getattr(torch, meta["dtype"]))
+    out = _files._empty(target.local_shape, getattr(torch, meta["dtype"]))
     for b, saved, inter in parts:
         src = tuple(slice(o - so, o - so + n) for o, so, n in zip(inter.global_offset, saved.global_offset,
                                                                   inter.local_shape))
