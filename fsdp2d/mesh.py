@@ -171,17 +171,33 @@ class DeviceMesh:
         return f"DeviceMesh({self.device_type!r}, {axes}, coordinate={self._coordinate})"
 
 
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The timeout ``group`` (default: the default group) was created with, e.g. by
+    ``init_process_group(timeout=...)``; None if its backend does not say. torch 2.13
+    has no public getter: each backend keeps it in its options (``_timeout``)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in getattr(pg, "_device_types", []):
+        try:
+            return pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
 def _new_axis_groups(mesh: torch.Tensor, axis: int) -> dist.ProcessGroup:
     """Create a group for every line along ``axis`` (all ranks call this in the same
-    order, as c10d requires) and return the one containing this rank."""
+    order, as c10d requires) and return the one containing this rank. Each inherits
+    the default group's timeout: ``new_group`` would otherwise use torch's default (30
+    minutes on gloo), and a stopped peer would hang a sub-group collective that long."""
     rank = dist.get_rank()
     lines = mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis])
+    timeout = group_timeout()
     mine = None
     for line in lines.tolist():
         if len(line) == dist.get_world_size():
             group = dist.group.WORLD  # the whole world in rank order: reuse it
         else:
-            group = dist.new_group(line)
+            group = dist.new_group(line, timeout=timeout)
         if rank in line:
             mine = group
     assert mine is not None

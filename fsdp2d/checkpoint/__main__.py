@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(path)
         else:
             print(inspect(args.ckpt))
-    except CheckpointError as exc:
+    except (CheckpointError, OSError) as exc:  # a damaged index is a CheckpointError, never a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

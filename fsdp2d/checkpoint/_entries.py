@@ -69,13 +69,19 @@ def model_entries(model: nn.Module) -> list[Entry]:
     return entries
 
 
-def materialize_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Create the state torch optimizers make lazily, for parameters that have none, so a
-    load has tensors to fill: one step on zero gradients at lr=0 (parameters unchanged,
-    since every update and weight decay is scaled by lr). Returns those parameters, so a
-    failed load can drop their state again."""
+def param_fqns(model: nn.Module) -> dict[int, str]:
+    """id(parameter as the optimizer sees it) -> fqn."""
+    return {id(p): fqn for fqn, p in _named_params(model).items()}
+
+
+def materialize_state(optimizer: torch.optim.Optimizer, only: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Create the state torch optimizers make lazily, for parameters (of ``only``, if
+    given) that have none, so a load has tensors to fill: one step on zero gradients at
+    lr=0 (parameters unchanged, since every update and weight decay is scaled by lr).
+    Returns those parameters, so a failed load can drop their state again."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    created = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
+    pool = params if only is None else only
+    created = [p for p in pool if p.requires_grad and not optimizer.state.get(p)]
     if not created:
         return []
     grads = {p: p.grad for p in params}
@@ -101,7 +107,7 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
     """Optimizer state entries (parameters without state are skipped: see
     :func:`materialize_state`)."""
     layouts = _layouts(model)
-    fqn_of = {id(p): fqn for fqn, p in _named_params(model).items()}
+    fqn_of = param_fqns(model)
     entries = []
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -58,12 +58,11 @@ class Metrics:
         self.enabled, self.total = enabled, total_steps
         self.path = run_dir / "metrics.jsonl"
         self.tty = sys.stdout.isatty()
-        if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # (not before the run starts)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         self.progress(record, final=True)
