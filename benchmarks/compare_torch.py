@@ -437,7 +437,7 @@ def load_avg() -> str:
         return "n/a"
 
 
-def run(cfg: Config, steps: int, warmup: int, profile: str | None) -> dict | None:
+def run(cfg: Config, steps: int, warmup: int, profile: str | None, optim: str = "fused") -> dict | None:
     torch.set_num_threads(1)
     # torch's FSDP2 warns that the root returns a view (the replicated logits); nothing
     # here modifies it in place, so the warning does not apply
@@ -450,7 +450,10 @@ def run(cfg: Config, steps: int, warmup: int, profile: str | None) -> dict | Non
     load_start = load_avg()
 
     impls = {"torch": build_torch(cfg, mesh), "fsdp2d": build_fsdp2d(cfg, mesh)}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in impls.items()}
+    # the same optimizer on both sides (both hold DTensor parameters): the comparison
+    # measures parallelism, not optimizer defaults (torch's CPU default is the slow for-loop)
+    kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[optim]
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, **kind) for k, m in impls.items()}
     losses: dict[str, list[float]] = {k: [] for k in impls}
     times: dict[str, list[float]] = {k: [] for k in impls}
     cpu: dict[str, list[float]] = {k: [] for k in impls}  # process CPU time (all threads)
@@ -527,7 +530,7 @@ def profile_impls(cfg, impls, opts, step0, dp_rank, dp, which: str) -> str | Non
 def summarize(cfg: Config, every: list[dict], dp: int, tp: int, steps: int, warmup: int,
               load_start: str, load_end: str) -> dict:
     tokens = cfg.batch * cfg.seq
-    res: dict[str, Any] = {"config": asdict(cfg), "mesh": {"dp": dp, "tp": tp}, "steps": steps,
+    res: dict[str, Any] = {"config": asdict(cfg), "mesh": {"dp": dp, "tp": tp}, "steps": steps, "optim": optim,
                            "warmup": warmup, "load_start": load_start, "load_end": load_end,
                            "torch_version": torch.__version__, "impl": {}}
     for name in ("torch", "fsdp2d"):
@@ -622,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=("small", "medium"), default="small")
     p.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--optim", choices=("fused", "foreach", "for-loop"), default="fused",
+                   help="AdamW implementation, the same on both sides (default fused: torchtitan's)")
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--profile", choices=("fsdp2d", "torch", "both"),
                    help="also run 5 steps under torch.profiler and print rank 0's top ops")
@@ -642,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         p.error("run under torchrun: torchrun --nproc_per_node 4 benchmarks/compare_torch.py ...")
     cfg = CONFIGS[(a.model, a.size)]
-    result = run(cfg, a.steps, a.warmup, a.profile)
+    result = run(cfg, a.steps, a.warmup, a.profile, a.optim)
     if result is not None:
         print(table([result]))
         print()

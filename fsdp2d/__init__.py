@@ -1,7 +1,8 @@
 """fsdp2d: 2D parallelism for PyTorch (tensor parallel x fully sharded data parallel).
 
 Build a mesh, ``parallelize_module`` on its TP axis, ``fully_shard`` on its data axis,
-train; parameters at rest are plain local shards with a frozen ``Layout``.
+train; parameters at rest are torch DTensors (so torch's own tools read them), compute
+is plain.
 """
 
 from .mesh import DeviceMesh, init_device_mesh
@@ -10,14 +11,14 @@ from .bridge import DTensorExtensions, LocalShard, from_dtensor, gather_full, to
 from .clip import clip_grad_norm_
 from .fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle,
                    fsdp_params, fully_shard, summon_full_params)
-from .tensor_parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
-                              RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
-                              tp_params)
+from .tensor_parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+                              PrepareModuleOutput, RowwiseParallel, SequenceParallel, loss_parallel,
+                              parallelize_module, tp_params)
 
 __all__ = [
     "init_device_mesh", "DeviceMesh", "Shard", "Replicate", "Partial", "Placement", "Layout",
     "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "PrepareModuleInput", "PrepareModuleOutput", "loss_parallel", "tp_params",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "tp_params",
     "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle",
     "fsdp_params", "summon_full_params", "DTensorExtensions", "LocalShard", "gather_full", "to_dtensor",
     "from_dtensor", "clip_grad_norm_",

@@ -58,7 +58,8 @@ def chunk_sizes(global_size: int, num_chunks: int) -> list[int]:
 
 # -- pairwise exchanges (gloo, CPU) ----------------------------------------------------
 EXCHANGE_MAX_RANKS = 8  # k-1 messages per rank per exchange: beyond this, gloo's ring wins
-EXCHANGE_KINDS = {1: "all_gather", 2: "reduce_scatter", 3: "all_reduce"}  # tag >> 24
+EXCHANGE_KINDS = {1: "all_gather", 2: "reduce_scatter", 3: "all_reduce", 4: "sizes"}  # tag >> 24
+_SIZES = 4 << 24  # gloo point-to-point: each exchange's sizes go first (see _GlooPending)
 _KIND_CODE = {v: k for k, v in EXCHANGE_KINDS.items()}
 USE_SHM = True  # read when a group makes its first exchange (tests flip it; FSDP2D_SHM=0 also disables)
 
@@ -140,20 +141,52 @@ class _ShmPending:
 
 
 class _GlooPending:
-    """Messages of one exchange as gloo ``isend``/``irecv`` pairs, all posted at once."""
+    """Messages of one exchange as gloo ``isend``/``irecv`` pairs, all posted at once.
+
+    gloo aborts the process (``EnforceNotMet``) when a message's size differs from the
+    receive buffer's, so each pair first swaps (bytes I send you, bytes I expect from
+    you): both ranks of a pair then see all four numbers and agree to skip that pair's
+    data, and :meth:`wait` raises the shared-memory transport's ValueError once the good
+    pairs are done (the group stays in step). One 16-byte message per peer, on this
+    fallback transport only."""
 
     def __init__(self, group: Group, tag: int, sends: dict, into: dict, like: torch.Tensor) -> None:
-        self.works, self.bufs = [], {}
+        self.works, self.bufs, self.error = [], {}, None
+        expect = like.numel() * like.element_size()
+        bad = self._check_sizes(group, tag, {j: t.numel() * t.element_size() for j, t in sends.items()}, expect)
         for j, t in sends.items():
-            self.works.append(dist.isend(t, group=group, tag=tag, group_dst=j))
+            if j not in bad:
+                self.works.append(dist.isend(t, group=group, tag=tag, group_dst=j))
         for j, dest in into.items():
             buf = self.bufs[j] = torch.empty_like(like) if dest is None else dest
-            self.works.append(dist.irecv(buf, group=group, tag=tag, group_src=j))
+            if j not in bad:
+                self.works.append(dist.irecv(buf, group=group, tag=tag, group_src=j))
+        if bad:
+            j, got = next(iter(bad.items()))
+            where = f"group rank {j} of process group {getattr(group, 'group_name', '?')!r}"
+            self.error = ValueError(f"fsdp2d: {where} sent {got} bytes for an exchange where this rank expects "
+                                    f"{expect} ({like.numel()} x {like.dtype}): the ranks called the collective "
+                                    "with different sizes")
+
+    @staticmethod
+    def _check_sizes(group: Group, tag: int, sending: dict[int, int], expect: int) -> dict[int, int]:
+        """Peers whose pair disagrees on a size -> the bytes that peer sends here."""
+        mine = {j: torch.tensor([n, expect], dtype=torch.int64) for j, n in sending.items()}
+        theirs = {j: torch.empty(2, dtype=torch.int64) for j in sending}
+        tag = _SIZES | tag & 0xFFFFFF  # the exchange's sequence number, kind "sizes"
+        works = [dist.isend(t, group=group, tag=tag, group_dst=j) for j, t in mine.items()]
+        works += [dist.irecv(t, group=group, tag=tag, group_src=j) for j, t in theirs.items()]
+        for w in works:
+            w.wait()
+        return {j: int(theirs[j][0]) for j in sending
+                if int(theirs[j][0]) != expect or sending[j] != int(theirs[j][1])}
 
     def wait(self) -> dict[int, torch.Tensor]:
         for w in self.works:
             w.wait()
         self.works = []
+        if self.error is not None:
+            raise self.error
         return self.bufs
 
     def release(self) -> None:

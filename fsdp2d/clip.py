@@ -1,7 +1,7 @@
 """``clip_grad_norm_`` over every way a parameter can be spread: TP, FSDP, HSDP, plain.
 
 The true global norm counts each element of each logical parameter once. Every fsdp2d
-parameter carries its :class:`Layout` (``param._fsdp2d_layout``), so each rank adds
+gradient is a DTensor whose spec gives its :class:`Layout`, so each rank adds
 ``|g|^p`` only for boxes it owns (coordinate 0 on the axes that replicate: a TP-
 replicated norm weight, the HSDP replicate axis) and one all-reduce over the world sums
 the rest. A layout's mesh may cover only part of the world (a TP-only parameter is
@@ -19,6 +19,9 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+
+from ._dtensor import layout_of, local_of
 from .placement import Layout
 
 __all__ = ["clip_grad_norm_"]
@@ -28,9 +31,9 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _share(p: torch.Tensor, world: int) -> float:
-    """This rank's weight for ``p``'s gradient in the world-wide sum (0 if not owner)."""
-    layout: Layout | None = getattr(p, "_fsdp2d_layout", None)
+def _share(g: torch.Tensor, world: int) -> float:
+    """This rank's weight for gradient ``g`` in the world-wide sum (0 if not owner)."""
+    layout: Layout | None = layout_of(g) if isinstance(g, DTensor) else None
     if layout is None:
         return 1.0 / world
     if not layout.is_replica_owner():
@@ -46,7 +49,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     rank must call it with the matching parameters.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = [(p, p.grad) for p in params if p.grad is not None]
+    grads = [(g, local_of(g)) for g in (p.grad for p in params) if g is not None]
     norm_type = float(norm_type)
     world = _world()
     # A rank without gradients still joins the all-reduce, on the parameters' device.
@@ -59,8 +62,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
         total = total[0]
     else:
         acc = torch.zeros(1, dtype=torch.float64, device=device)
-        for p, g in grads:
-            share = _share(p, world)
+        for dg, g in grads:
+            share = _share(dg, world)
             if share and g.numel():
                 acc += torch.linalg.vector_norm(g.detach().double(), norm_type) ** norm_type * share
         if world > 1:

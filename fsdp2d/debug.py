@@ -27,6 +27,7 @@ fsdp2d's range, ``[1 << 24, 4 << 24)``, is not counted.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 from . import _collectives, _shm
 from ._collectives import EXCHANGE_KINDS
 
-__all__ = ["CollectiveCounter", "C10D_KINDS", "describe_c10d_op", "watch_exchanges"]
+__all__ = ["CollectiveCounter", "OpCounter", "C10D_KINDS", "describe_c10d_op", "watch_exchanges"]
 
 # c10d op name -> (kind, index of the argument holding the logical buffer or None)
 C10D_KINDS: dict[str, tuple[str, int | None]] = {
@@ -126,4 +127,17 @@ class CollectiveCounter(TorchDispatchMode):
         described = describe_c10d_op(func, args)
         if described is not None:
             self._add(*described)
+        return func(*args, **(kwargs or {}))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op dispatched while active, by op name (``aten.mm``, ``c10d.allreduce_``):
+    on a GPU each is a kernel launch or a collective. ``counter.ops`` is a Counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))

@@ -68,6 +68,8 @@ class DeviceMesh:
         self._groups = tuple(groups)
         self._coordinate = tuple(coordinate)
         self._submeshes: dict[tuple[str, ...], DeviceMesh] = {}
+        self._root: DeviceMesh = self  # the mesh this one was sliced from (itself at the top)
+        self._torch_meshes: dict[tuple[str, ...], object] = {}  # root only: see torch_mesh
 
     # -- shape -----------------------------------------------------------------------
     @property
@@ -129,37 +131,73 @@ class DeviceMesh:
             if axes != sorted(axes):
                 raise KeyError(f"sub-mesh axes {key} must keep the mesh order {self.mesh_dim_names}")
             index = tuple(slice(None) if a in axes else c for a, c in enumerate(self._coordinate))
-            self._submeshes[key] = DeviceMesh(
-                self.device_type, self.mesh[index], key,
-                [self._groups[a] for a in axes], tuple(self._coordinate[a] for a in axes),
-            )
+            sub = DeviceMesh(self.device_type, self.mesh[index], key,
+                             [self._groups[a] for a in axes], tuple(self._coordinate[a] for a in axes))
+            sub._root = self._root
+            self._submeshes[key] = sub
         return self._submeshes[key]
+
+    @property
+    def root(self) -> "DeviceMesh":
+        """The mesh ``init_device_mesh`` built, of which this one is a sub-mesh (or itself)."""
+        return self._root
 
     # -- interop ---------------------------------------------------------------------
     def to_torch(self):
-        """A ``torch.distributed.device_mesh.DeviceMesh`` over the same process groups."""
-        from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+        """A ``torch.distributed.device_mesh.DeviceMesh`` over the same process groups
+        (one object per mesh: DTensors compare meshes, so every caller gets the same)."""
+        return self.torch_mesh(self.mesh_dim_names)
 
-        groups = list(self._groups)
-        return TorchMesh.from_group(groups if self.ndim > 1 else groups[0], self.device_type,
-                                    mesh=self.mesh, mesh_dim_names=self.mesh_dim_names)
+    def torch_mesh(self, axes: Sequence[str]):
+        """The torch mesh over the named ``axes`` of this mesh's root, in the order given
+        (any order: fsdp2d puts parameters on ``(tp, dp)`` so that torch's left-to-right
+        ``Shard`` placements describe its TP-major boxes exactly). Cached on the root."""
+        root, axes = self._root, tuple(axes)
+        if axes not in root._torch_meshes:
+            from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+            idx = [root._axis_index(a) for a in axes]
+            rest = tuple(c if a not in idx else slice(None) for a, c in enumerate(root._coordinate))
+            grid = root.mesh[rest]  # the axes' sub-grid through this rank, still in root order
+            grid = grid.permute(*[sorted(idx).index(i) for i in idx])  # now in the order asked
+            groups = [root._groups[i] for i in idx]
+            root._torch_meshes[axes] = TorchMesh.from_group(
+                groups if len(groups) > 1 else groups[0], root.device_type, mesh=grid.contiguous(),
+                mesh_dim_names=axes)
+        return root._torch_meshes[axes]
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.shape))
         return f"DeviceMesh({self.device_type!r}, {axes}, coordinate={self._coordinate})"
 
 
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The timeout ``group`` (default: the default group) was created with, e.g. by
+    ``init_process_group(timeout=...)``; None if its backend does not say. torch 2.13
+    has no public getter: each backend keeps it in its options (``_timeout``)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in getattr(pg, "_device_types", []):
+        try:
+            return pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
 def _new_axis_groups(mesh: torch.Tensor, axis: int) -> dist.ProcessGroup:
     """Create a group for every line along ``axis`` (all ranks call this in the same
-    order, as c10d requires) and return the one containing this rank."""
+    order, as c10d requires) and return the one containing this rank. Each inherits
+    the default group's timeout: ``new_group`` would otherwise use torch's default (30
+    minutes on gloo), and a stopped peer would hang a sub-group collective that long."""
     rank = dist.get_rank()
     lines = mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis])
+    timeout = group_timeout()
     mine = None
     for line in lines.tolist():
         if len(line) == dist.get_world_size():
             group = dist.group.WORLD  # the whole world in rank order: reuse it
         else:
-            group = dist.new_group(line)
+            group = dist.new_group(line, timeout=timeout)
         if rank in line:
             mine = group
     assert mine is not None

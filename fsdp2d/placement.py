@@ -225,6 +225,17 @@ class Layout:
         return Layout(self.global_shape, self.mesh_shape, self.axis_names, self.placements,
                       tuple(coordinate), self.split_order)
 
+    def reorder(self, axis_names: Sequence[str]) -> "Layout":
+        """The same boxes described over the mesh axes in another order (every axis named
+        once); the split order follows the axes, so each rank's box is unchanged."""
+        if sorted(axis_names) != sorted(self.axis_names):
+            raise ValueError(f"reorder: {tuple(axis_names)} is not a permutation of {self.axis_names}")
+        perm = [self.axis(n) for n in axis_names]  # new axis i is old axis perm[i]
+        new_index = {old: new for new, old in enumerate(perm)}
+        return Layout(self.global_shape, tuple(self.mesh_shape[i] for i in perm), tuple(axis_names),
+                      tuple(self.placements[i] for i in perm), tuple(self.coordinate[i] for i in perm),
+                      tuple(new_index[a] for a in self.split_order))
+
     def coordinates(self) -> Iterator[tuple[int, ...]]:
         """Every coordinate of the mesh, in row-major (rank) order."""
         return itertools.product(*(range(s) for s in self.mesh_shape))

@@ -53,7 +53,8 @@ def test_run_writes_metrics_checkpoints_and_plot(baseline):
     assert sorted(losses) == list(range(1, 9))
     assert "eval_loss" in records[3] and "eval_loss" in records[7]
     assert losses[8] < losses[1]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
+    listed = sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert listed == ["step_00000004", "step_00000008"]  # (links to hidden version folders beside them)
     out = subprocess.run([sys.executable, "-m", "fsdp2d.train.cli", "plot", str(run)], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and (run / "loss.png").stat().st_size > 1000, out.stderr
@@ -139,3 +140,95 @@ def test_nan_loss_stops_with_clear_error_and_keeps_last_checkpoint(tmp_path, mon
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# -- issue 12: nothing lost, nothing overwritten before the run is known to start -----------------
+def _local(tmp_path, name: str, *extra: str):
+    """A world-size-1 job on a small token file (in-process: no torchrun)."""
+    import numpy as np
+
+    from fsdp2d.train.config import load_config
+    from fsdp2d.train.data import save_tokens
+
+    data = tmp_path / "tokens.bin"
+    if not data.exists():
+        save_tokens(data, np.random.default_rng(0).integers(0, 256, 40_000))
+    overrides = [a for a in SMALL[2:] if not a.startswith(("--training.eval", "--checkpoint"))]
+    return load_config(ROOT / "configs" / "debug_cpu.toml", [
+        *overrides, "--parallel.dp=1", "--parallel.tp=1", "--training.global_batch=2",
+        f"--data.path={data}", "--data.format=uint16", "--training.eval_every=0", "--checkpoint.every=2",
+        "--training.steps=4", f"--metrics.runs_dir={tmp_path}", f"--metrics.run_name={name}", *extra])
+
+
+@pytest.fixture
+def world1(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    import torch.distributed as dist
+
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _fresh_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_startup_checks_and_resume_fallback(tmp_path, world1, capsys):
+    """Items 12, 14, 15 and the worker side of 11, in one world-size-1 job:
+    an eval split smaller than one batch is refused before step 1 (nothing written);
+    a resume with another model size fails without touching config.toml; a corrupt
+    newest checkpoint is skipped (logged) for the newest one that verifies; a fresh run
+    refuses the run folder, and --overwrite replaces it."""
+    from fsdp2d.train.config import ConfigError
+    from fsdp2d.train.trainer import Trainer
+
+    from fsdp2d import checkpoint as ckpt
+
+    # 12: 40k tokens, eval_fraction 1e-4 -> 4 tokens: not one sequence of 33
+    with pytest.raises(ConfigError, match="eval split"):
+        Trainer(_local(tmp_path, "tiny_eval", "--training.eval_every=2", "--data.eval_fraction=0.0001"))
+    assert not (tmp_path / "tiny_eval").exists()
+    _fresh_group()
+
+    trainer = Trainer(_local(tmp_path, "run"))
+    trainer.maybe_resume()
+    trainer.start()
+    trainer.run()
+    config = (tmp_path / "run" / "config.toml").read_text()
+    assert trainer.ckpts.steps() == [2, 4]
+    _fresh_group()
+
+    # 14: another model size: a clear error, config.toml as it was
+    trainer = Trainer(_local(tmp_path, "run", "--model.dim=64", "--checkpoint.resume=true"))
+    with pytest.raises(ckpt.CheckpointError, match="has shape"):
+        trainer.maybe_resume()
+    assert (tmp_path / "run" / "config.toml").read_text() == config
+    _fresh_group()
+
+    # 15: the newest checkpoint corrupt: resume from step 2, and say so
+    data = (tmp_path / "run" / "checkpoints" / "step_00000004").resolve() / "rank00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    trainer = Trainer(_local(tmp_path, "run", "--checkpoint.resume=true"))
+    trainer.maybe_resume()
+    out = capsys.readouterr().out
+    assert trainer.step == 2 and "step_00000004 does not verify" in out and "resumed from" in out, out
+    _fresh_group()
+
+    # 11 (worker side): a fresh run in this folder is refused; --overwrite starts over
+    with pytest.raises(ConfigError, match="holds an earlier run"):
+        Trainer(_local(tmp_path, "run"))
+    assert trainer.ckpts.steps() == [2, 4]
+    _fresh_group()
+    trainer = Trainer(_local(tmp_path, "run", "--checkpoint.overwrite=true", "--training.steps=2"))
+    trainer.start()
+    assert trainer.ckpts.steps() == [] and not (tmp_path / "run" / "metrics.jsonl").exists()
+    trainer.run()
+    assert trainer.ckpts.steps() == [2]

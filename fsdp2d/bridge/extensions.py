@@ -73,8 +73,20 @@ def gather_axes(local: torch.Tensor, layout: Layout, mesh: DeviceMesh, axes: lis
                      layout.coordinate, layout.split_order)
 
 
-def gather_full(local: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> torch.Tensor:
-    """The whole global tensor on every rank of ``mesh``."""
+def gather_full(local: torch.Tensor, layout: Layout | None = None, mesh: Any = None) -> torch.Tensor:
+    """The whole global tensor on every rank of ``mesh`` (anything with
+    ``get_group(axis name)``). A DTensor (an fsdp2d parameter or gradient) needs neither:
+    its spec gives the layout and its mesh the groups."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(local, DTensor):
+        from .._dtensor import layout_of
+
+        layout = layout if layout is not None else layout_of(local)
+        mesh = mesh if mesh is not None else local.device_mesh
+        local = local._local_tensor
+    if layout is None or mesh is None:
+        raise TypeError("gather_full(local, layout, mesh): a plain tensor needs its Layout and mesh")
     return gather_axes(local, layout, mesh, list(layout.axis_names))[0]
 
 

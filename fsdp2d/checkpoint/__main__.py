@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(path)
         else:
             print(inspect(args.ckpt))
-    except (CheckpointError, HFError) as exc:
+    except (CheckpointError, HFError, OSError) as exc:  # a damaged index is a CheckpointError, never a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

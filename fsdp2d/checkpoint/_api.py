@@ -6,7 +6,7 @@ import json
 import math
 import os
 import re
-import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,9 @@ from safetensors.torch import save as st_save
 from ..bridge import LocalShard, gather_full
 from ..placement import Box
 from ._entries import model_entries
-from ._io import INDEX, _digest, _Files, _fsync_write, _index_document, read_box, read_index, save
+from . import _commit
+from ._files import Folder, _digest
+from ._io import INDEX, _fsync_write, _index_document, read_box, read_index, save
 
 __all__ = ["get_model_state_dict", "CheckpointManager", "export", "inspect"]
 
@@ -72,12 +74,16 @@ class CheckpointManager:
         steps = self.steps()
         return self.path(steps[-1]) if steps else None
 
+    def remove(self, step: int) -> None:
+        """Delete the checkpoint of ``step`` (not collective: call on one rank)."""
+        _commit.remove(self.path(step))
+
     def save(self, step: int, model: torch.nn.Module, optimizer=None, *, extra: dict | None = None) -> Path:
         path = self.path(step)
         save(path, model, optimizer, extra=extra)
         if self.keep_last and (not dist.is_initialized() or dist.get_rank() == 0):
             for old in self.steps()[:-self.keep_last]:
-                shutil.rmtree(self.path(old), ignore_errors=True)
+                self.remove(old)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return path
@@ -92,9 +98,12 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, max_shard_bytes: 
     Offline, one process, no process group. Streams: the file split is planned from the
     index, then each file's tensors are assembled, written and freed before the next, so
     memory peaks at about two output files, not the whole model."""
-    root, out = Path(ckpt), Path(out)
-    index = read_index(root)
-    files = _Files(root, index)
+    with Folder(ckpt) as folder:
+        return _export(folder, Path(out), max_shard_bytes)
+
+
+def _export(folder: Folder, out: Path, max_shard_bytes: int) -> list[Path]:
+    index = folder.index
     names = sorted(n for n in index["tensors"] if n.startswith("model/"))
     plan: list[list[str]] = [[]]
     size = 0
@@ -115,7 +124,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, max_shard_bytes: 
         for name in group:
             meta = index["tensors"][name]
             shape = tuple(meta["shape"])
-            full = read_box(files, meta, name, Box((0,) * len(shape), shape), getattr(torch, meta["dtype"]))
+            full = read_box(folder, meta, name, Box((0,) * len(shape), shape))
             key = name.removeprefix("model/")
             shard[key] = full
             weight_map[key] = fname
@@ -132,7 +141,8 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, max_shard_bytes: 
         _fsync_write(out / "model.safetensors.index.json",
                      json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode())
     fsdp_index = _index_document(files=file_meta, tensors=tensors, world_size=1, mesh={"axes": [], "shape": []},
-                                 extra=index.get("extra", {}), optim_hparams=None)
+                                 extra=index["extra"], optim_hparams=None,
+                                 id=uuid.uuid4().hex[:16])
     _fsync_write(out / INDEX, json.dumps(fsdp_index, indent=1).encode())
     return [out / f for f in fnames]
 
@@ -145,7 +155,7 @@ def inspect(ckpt: str | os.PathLike) -> str:
              f"saved on {index['world_size']} ranks, mesh "
              + (" x ".join(f"{a}={s}" for a, s in zip(mesh["axes"], mesh["shape"])) or "(none)"),
              f"files: {len(index['files'])}, {sum(f['size'] for f in index['files'].values()) / 2**20:.2f} MiB",
-             f"extra: {json.dumps(index['extra'])}", "", f"{'tensor':<60} {'dtype':<9} {'shape':<18} boxes"]
+             f"id: {index.get('id', '(none)')}", f"extra: {json.dumps(index['extra'])}", "", f"{'tensor':<60} {'dtype':<9} {'shape':<18} boxes"]
     for name, meta in sorted(index["tensors"].items()):
         lines.append(f"{name:<60} {meta['dtype']:<9} {str(tuple(meta['shape'])):<18} {len(meta['boxes'])}")
     return "\n".join(lines)

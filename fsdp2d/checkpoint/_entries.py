@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._dtensor import local_of
 from ..fsdp import fsdp_params
 from ..placement import Box, Layout
 from ..tensor_parallel import tp_params
@@ -59,7 +60,7 @@ def model_entries(model: nn.Module) -> list[Entry]:
     for fqn, p in _named_params(model).items():
         lay, groups = layouts.get(fqn, (None, {}))
         shape = lay.global_shape if lay is not None else tuple(p.shape)
-        entries.append(Entry(f"model/{fqn}", p.detach(), lay, shape, groups))
+        entries.append(Entry(f"model/{fqn}", local_of(p).detach(), lay, shape, groups))
     for fqn, buf in model.named_buffers():
         mod_name, _, bname = fqn.rpartition(".")
         owner = model.get_submodule(mod_name) if mod_name else model
@@ -68,13 +69,19 @@ def model_entries(model: nn.Module) -> list[Entry]:
     return entries
 
 
-def materialize_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Create the state torch optimizers make lazily, for parameters that have none, so a
-    load has tensors to fill: one step on zero gradients at lr=0 (parameters unchanged,
-    since every update and weight decay is scaled by lr). Returns those parameters, so a
-    failed load can drop their state again."""
+def param_fqns(model: nn.Module) -> dict[int, str]:
+    """id(parameter as the optimizer sees it) -> fqn."""
+    return {id(p): fqn for fqn, p in _named_params(model).items()}
+
+
+def materialize_state(optimizer: torch.optim.Optimizer, only: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Create the state torch optimizers make lazily, for parameters (of ``only``, if
+    given) that have none, so a load has tensors to fill: one step on zero gradients at
+    lr=0 (parameters unchanged, since every update and weight decay is scaled by lr).
+    Returns those parameters, so a failed load can drop their state again."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    created = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
+    pool = params if only is None else only
+    created = [p for p in pool if p.requires_grad and not optimizer.state.get(p)]
     if not created:
         return []
     grads = {p: p.grad for p in params}
@@ -100,7 +107,7 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
     """Optimizer state entries (parameters without state are skipped: see
     :func:`materialize_state`)."""
     layouts = _layouts(model)
-    fqn_of = {id(p): fqn for fqn, p in _named_params(model).items()}
+    fqn_of = param_fqns(model)
     entries = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -115,11 +122,11 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
             for key, value in sorted(state.items()):
                 if not isinstance(value, torch.Tensor):
                     continue
-                if value.shape == p.shape and value.ndim > 0:
+                if value.shape == p.shape and value.ndim > 0:  # DTensor state of a DTensor parameter
                     shape = lay.global_shape if lay is not None else tuple(p.shape)
-                    entries.append(Entry(f"optim/{fqn}/{key}", value, lay, shape, groups))
+                    entries.append(Entry(f"optim/{fqn}/{key}", local_of(value), lay, shape, groups))
                 else:
-                    entries.append(Entry(f"optim/{fqn}/{key}", value, None, tuple(value.shape)))
+                    entries.append(Entry(f"optim/{fqn}/{key}", local_of(value), None, tuple(value.shape)))
     return entries
 
 

@@ -25,7 +25,8 @@ from safetensors.torch import save as st_save
 
 from ..models.hf import HFError, Rule, args_from_spec, hf_config, hf_rule
 from ..placement import Box
-from ._io import _fsync_write, _Files, read_box, read_index
+from ._files import Folder
+from ._io import _fsync_write, read_box
 
 __all__ = ["export_hf"]
 
@@ -44,14 +45,14 @@ def _hf_groups(index: dict, arch: str, tied: bool) -> dict[str, list[tuple[int, 
     return groups
 
 
-def _assemble(files: _Files, index: dict, hf_name: str, parts: list) -> torch.Tensor:
+def _assemble(folder: Folder, hf_name: str, parts: list) -> torch.Tensor:
     """The full HF tensor ``hf_name`` from its fsdp2d pieces (a tied head's second copy,
     saved by a tensor-parallel run, must equal the embedding: it is checked, not written)."""
     tensors, seen = [], {}
     for k, name, rule in parts:
-        meta = index["tensors"][name]
+        meta = folder.index["tensors"][name]
         shape = tuple(meta["shape"])
-        full = read_box(files, meta, name, Box((0,) * len(shape), shape), getattr(torch, meta["dtype"]))
+        full = read_box(folder, meta, name, Box((0,) * len(shape), shape))
         if k in seen:
             if not torch.equal(seen[k][1], full):
                 raise HFError(f"{name} and {seen[k][0]} are tied in the config but differ in the checkpoint "
@@ -86,22 +87,25 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, spec: dict | N
     Raises :class:`~fsdp2d.models.hf.HFError` when the architecture is unknown or a
     tensor has no HF name.
     """
-    root, out = Path(ckpt), Path(out)
-    index = read_index(root)
+    with Folder(ckpt) as folder:
+        return _export_hf(folder, Path(out), spec, max_shard_bytes)
+
+
+def _export_hf(folder: Folder, out: Path, spec: dict | None, max_shard_bytes: int) -> list[Path]:
+    index = folder.index
     spec = spec or index.get("extra", {}).get("model")
     if spec is None:
-        raise HFError(f"{root}: extra['model'] is missing; save with extra={{'model': model_spec(model)}} "
+        raise HFError(f"{folder.path}: extra['model'] is missing; save with extra={{'model': model_spec(model)}} "
                       f"or pass spec=")
     arch, args = args_from_spec(spec)
     groups = _hf_groups(index, arch, args.tie_embeddings)
     plan = _plan(index, groups, max_shard_bytes)
-    files = _Files(root, index)
     out.mkdir(parents=True, exist_ok=True)
     n = len(plan)
     fnames = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map, total, dtype = {}, 0, "float32"
     for fname, names in zip(fnames, plan):
-        shard = {name: _assemble(files, index, name, groups[name]) for name in names}
+        shard = {name: _assemble(folder, name, groups[name]) for name in names}
         total += sum(t.numel() * t.element_size() for t in shard.values())
         dtype = str(next(iter(shard.values())).dtype).removeprefix("torch.")
         weight_map.update({name: fname for name in names})

@@ -1,12 +1,13 @@
 """One ``fully_shard`` group: a flat buffer, one all-gather, one reduce-scatter.
 
 All parameters managed by one ``fully_shard`` call share a flat 1-D buffer of
-``sum(segment_numel)`` elements per rank; each sharded ``nn.Parameter`` is a view into
-it, so the all-gather sends the buffer itself (no packing copy) and the optimizer's
-in-place updates land in it. ``unshard`` gathers ``(k, total)`` and copies each
-parameter out; ``reduce_grads`` packs the unsharded gradients into ``(k, total)``,
-reduce-scatters into ``(total,)`` and hands each sharded parameter a view of it as
-its ``.grad`` (averaged over the data-parallel ranks, in ``reduce_dtype``).
+``sum(segment_numel)`` elements per rank; each sharded ``nn.Parameter`` is a DTensor
+whose local tensor is a view into it, so the all-gather sends the buffer itself (no
+packing copy) and the optimizer's in-place updates land in it. ``unshard`` gathers
+``(k, total)`` and copies every parameter out with one op; ``reduce_grads`` packs the
+unsharded gradients into ``(k, total)`` with one op, reduce-scatters into ``(total,)``
+and hands each sharded parameter a DTensor gradient whose local tensor is a view of it
+(averaged over the data-parallel ranks, in ``reduce_dtype``).
 
 Both collectives can be asynchronous (gloo and NCCL run them on their own threads or
 streams): ``unshard(async_op=True)`` returns at once and ``wait_unshard`` finishes it;
@@ -16,13 +17,18 @@ the end of backward, before the optimizer can run).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _collectives as C
+from .._dtensor import as_dtensor, install_load_hook, local_of
+from .._stale import mark_replaced
 from ._param import FSDPParam
 
 
@@ -79,7 +85,6 @@ class FSDPParamGroup:
         for p in params:
             p.offset, offset = offset, offset + p.segment_numel
         self.total = offset
-        self.all_even = all(p.even for p in params)  # every segment splits without padding
         dtypes = {p.sharded.dtype for p in params}
         if len(dtypes) > 1 and mp.param_dtype is None:
             names = ", ".join(f"{p.fqn}: {p.sharded.dtype}" for p in params[:6])
@@ -102,6 +107,7 @@ class FSDPParamGroup:
         self._gathered_versions: tuple = ()  # _shard_versions() at the last gather
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
+        self._ones: torch.Tensor | None = None  # has-gradient flags when all are present
         self.compute_device = params[0].sharded.device if params else torch.device("cpu")
         self._build_flat(self.compute_device)
 
@@ -131,17 +137,22 @@ class FSDPParamGroup:
             flat = self.flats[current.dtype]
             view = flat[p.store_offset:p.store_offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
             with torch.no_grad():
-                src = current if tuple(current.shape) == p.shard_shape else p.shard_of(current)
+                src = _shard_source(p, current)
                 if src.device.type != "meta" and store.type != "meta":
                     view.copy_(src)
-            if tuple(current.shape) == p.shard_shape:
-                current.data = view  # keep the object the optimizer may already hold
+            spec, old = p.spec(current.dtype), p.sharded
+            if isinstance(current, DTensor) and isinstance(current, torch.nn.Parameter) and current._spec == spec:
+                current._local_tensor = view  # keep the object the optimizer may already hold
                 p.sharded = current
             else:
-                p.sharded = torch.nn.Parameter(view, requires_grad=p.requires_grad)
-            p.sharded._fsdp2d_layout = p.layout  # the 2D layout, read by clip_grad_norm_
-            p.expected_ptr = p.sharded.data_ptr()
+                p.sharded = torch.nn.Parameter(as_dtensor(view, spec), requires_grad=p.requires_grad)
+                mark_replaced(current, p.fqn, "fully_shard")
+            if old is not current and old is not p.sharded:
+                mark_replaced(old, p.fqn, "to_empty(), .to() or load_state_dict(assign=True) on the model")
+            p.expected_local = view
             p.register("sharded")
+            for owner, _ in [(p.module, p.name), *p.aliases]:
+                install_load_hook(owner)
             p.make_unsharded(self.param_dtype, device)
         self._sync_requires_grad()
         self.compute_device = device
@@ -154,7 +165,7 @@ class FSDPParamGroup:
                 p.unsharded.requires_grad_(wanted)
             p.requires_grad = wanted
             if wanted and not getattr(p.unsharded, "_fsdp2d_hooked", False):
-                p.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.unsharded.register_post_accumulate_grad_hook(_weak_hook(self))
                 p.unsharded._fsdp2d_hooked = True
         self.num_trainable = sum(p.requires_grad for p in self.params)
 
@@ -167,7 +178,7 @@ class FSDPParamGroup:
             return False
         if current is not p.sharded:
             return True
-        return current.data_ptr() != p.expected_ptr or current.dtype not in self.flats
+        return not _same_storage(local_of(current), p.expected_local) or current.dtype not in self.flats
 
     def _send_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's all-gather input in ``dtype``: the flat buffer itself when it has
@@ -229,12 +240,9 @@ class FSDPParamGroup:
         gathered = out.view(self.k, self.total)
         for p in self.params:
             p.alloc_unsharded()
-        if self.all_even and self.params:  # one copy op for the whole group
+        if self.params:  # one copy op for the whole group, into the padded unsharded storage
             torch.split_with_sizes_copy(gathered, [p.segment_numel for p in self.params], dim=1,
-                                        out=[p.unsharded.data.view(self.k, -1) for p in self.params])
-        else:
-            for p in self.params:
-                p.copy_in(gathered)
+                                        out=[p.padded.view(self.k, -1) for p in self.params])
         self._gather = None
         self.unsharded = True
         self._gathered_versions = self._shard_versions()
@@ -282,12 +290,14 @@ class FSDPParamGroup:
             grads.append(g)
             p.unsharded.grad = None
         buf = self._pack_grads(grads)
+        all_had = all(g is not None for g in grads)
         self.counts["reduce_scatter"] += 1
         if self.k == 1:
-            self._reduce = (None, buf.view(-1))
+            self._reduce = (None, buf.view(-1), all_had)
         else:
             out = buf.new_empty(self.total + len(self.params))
-            self._reduce = (C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True), out)
+            work = C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True)
+            self._reduce = (work, out, all_had)
         self.needs_reduce = False
 
     def _pack_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
@@ -297,16 +307,18 @@ class FSDPParamGroup:
         after the reduce-scatter every rank knows how many ranks had one (a collective
         decision, so a parameter used on some ranks only still updates everywhere)."""
         n, k, dtype = len(self.params), self.k, self.reduce_dtype
-        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=self.compute_device)
-        if self.all_even and all(g is not None and g.dtype == dtype for g in grads):
-            return torch.cat([*(g.reshape(k, -1) for g in grads), flags.expand(k, n)], dim=1)  # one copy op
+        if all(g is not None for g in grads):  # the usual case: a cached device tensor, no host-to-device copy
+            if self._ones is None or self._ones.dtype != dtype or self._ones.device != self.compute_device:
+                self._ones = torch.ones(n, dtype=dtype, device=self.compute_device)
+            flags = self._ones
+        else:
+            flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=self.compute_device)
+        grads = [torch.zeros(p.unsharded_shape, dtype=dtype, device=self.compute_device) if g is None
+                 else g.to(dtype) for p, g in zip(self.params, grads)]  # .to: no-op when it matches
         buf = torch.empty((k, self.total + n), dtype=dtype, device=self.compute_device)
-        for p, g in zip(self.params, grads):
-            if g is None:
-                buf[:, p.offset:p.offset + p.segment_numel].zero_()
-            else:
-                p.copy_grad_out(g, buf)
-        buf[:, self.total:] = flags
+        # Each gradient chunked over the k ranks along dim 0 (torch.chunk sizes, zero-padded
+        # to padded_rows), rank-major: one op, even or not, at any k.
+        torch._chunk_cat([*grads, flags.expand(k, n)], dim=0, num_chunks=k, out=buf)
         return buf
 
     def finish_reduce(self, assign: bool = True) -> None:
@@ -314,7 +326,7 @@ class FSDPParamGroup:
         parameters that had a gradient (``assign=False``: wait and discard)."""
         if self._reduce is None:
             return
-        work, out = self._reduce
+        work, out, all_had = self._reduce
         self._reduce = None
         if work is not None:
             work.wait()
@@ -322,16 +334,20 @@ class FSDPParamGroup:
             return
         out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
         out = out.div_(self.dp_size)
-        had_grad = out[self.total:].tolist()  # > 0 where any rank had a gradient (all ranks agree)
+        # Where this rank had every gradient, every parameter gets one: no need to read the
+        # flags (no host sync in a normal step). Otherwise the flags say which parameters
+        # some rank had a gradient for (all ranks agree); the others keep .grad None, as in torch.
+        had_grad = [1.0] * len(self.params) if all_had else out[self.total:].tolist()
         for p, flag in zip(self.params, had_grad):
             if flag <= 0:
-                continue  # no rank had a gradient: .grad stays None, as in torch
+                continue
             g = out[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
             g = g.to(p.sharded.device, p.sharded.dtype, non_blocking=True)
-            if p.sharded.grad is None:
-                p.sharded.grad = g
+            current = p.sharded.grad
+            if current is None:
+                p.sharded.grad = as_dtensor(g, p.spec(g.dtype))
             else:
-                p.sharded.grad += g
+                local_of(current).add_(g)
 
     # -- exact gathers (summon_full_params) ----------------------------------------------
     def gather_exact(self) -> list[torch.Tensor]:
@@ -353,3 +369,40 @@ class FSDPParamGroup:
             p.copy_in(gathered, full, offset=0)
             out.append(full)
         return out
+
+
+def _shard_source(p: FSDPParam, current: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of whatever the module holds: our own shard (local shape
+    ``shard_shape``), or the whole FSDP-unsharded (TP-local) parameter."""
+    local = local_of(current)
+    if tuple(local.shape) == p.shard_shape:
+        return local
+    if tuple(local.shape) == p.unsharded_shape:
+        return p.shard_of(local)
+    raise ValueError(f"fully_shard: parameter {p.fqn!r} was replaced by a tensor of local shape "
+                     f"{tuple(local.shape)}; expected this rank's shard {p.shard_shape} or the whole "
+                     f"{p.unsharded_shape} (load full tensors with load_state_dict, not by assigning)")
+
+
+def _weak_hook(group: FSDPParamGroup):
+    """A gradient hook that refers to its group weakly: hooks live in C++ on the tensor,
+    where Python's garbage collector cannot see a cycle back to the group, its modules
+    and the model (with a strong reference a dropped model would never be freed)."""
+    ref = weakref.ref(group)
+
+    def hook(param: torch.Tensor) -> None:
+        g = ref()
+        if g is not None:
+            g._on_grad_ready(param)
+
+    return hook
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` still is the view ``b`` (in-place DTensor ops may rewrap the local
+    tensor, so compare the memory; fake and meta tensors have none to compare). The
+    device matters too: ``to_empty()`` swaps a DTensor parameter's contents in place, and
+    an empty shard has data pointer 0 on the meta device and on the new one alike."""
+    if is_fake(a) or a.device.type == "meta" or is_fake(b) or b.device.type == "meta":
+        return a is b
+    return a.device == b.device and a.data_ptr() == b.data_ptr()

@@ -6,10 +6,19 @@ each rank owns ``chunk_range(R, k, rank)`` rows. In the group's flat buffer ever
 reserves ``padded_rows = ceil(R / k)`` rows for it, so the all-gather and the
 reduce-scatter move equal-size segments; padding is zero and never visible.
 
-``sharded`` is the ``nn.Parameter`` the optimizer sees: a view of this rank's rows in
-the flat buffer. ``unsharded`` is a persistent ``nn.Parameter`` of the full (TP-local)
-shape that the module computes with; its storage is freed (resized to 0) while
-resharded and refilled by the all-gather, so autograd's saved references stay valid.
+``sharded`` is the ``nn.Parameter`` the optimizer sees: a torch ``DTensor`` whose local
+tensor is a view of this rank's rows in the flat buffer and whose spec is the 2D
+``layout`` (on the torch mesh over ``(tp axes, fsdp axes)``, see :mod:`fsdp2d._dtensor`).
+``unsharded`` is a persistent plain ``nn.Parameter`` of the full (TP-local) shape that
+the module computes with; its storage is freed (resized to 0) while resharded and
+refilled by the all-gather, so autograd's saved references stay valid.
+
+Uneven splits cost nothing extra per step, whatever the number of ranks: with
+``torch.chunk`` semantics every rank but the last non-empty one holds ``padded_rows``
+rows, so the padded ``(k, padded_rows)`` segments read in rank order hold the real
+rows first. The unsharded storage keeps that padded layout (the parameter is a view of
+its first rows) and gradients are packed with ``torch._chunk_cat``: one op per group
+each way, the same ops for even and uneven shapes at any number of ranks.
 """
 
 from __future__ import annotations
@@ -19,46 +28,74 @@ import math
 import torch
 from torch import nn
 
+from .._dtensor import spec_of
 from ..bridge._layout import fsdp_layout
-from ..placement import Layout, chunk_range
+from ..mesh import DeviceMesh
+from ..placement import Layout, Replicate, chunk_range
 from ..tensor_parallel._params import TPParam
 
 
+def param_layout(fqn: str, global_shape: tuple[int, ...], tp: TPParam | None, mesh: DeviceMesh,
+                 tp_axes: tuple[str, ...]) -> Layout:
+    """The 2D layout of a parameter sharded over the FSDP ``mesh`` after TP, over the
+    axes ``(tp_axes, FSDP axes)``: a parameter TP does not shard is ``Replicate()`` on
+    the TP axes (those used anywhere under the module passed to ``fully_shard``), so
+    every parameter of a model has the same axes."""
+    root = mesh.root
+    if tp is not None and tp.mesh.root is not root:
+        raise ValueError(f"fully_shard: parameter {fqn!r} is tensor-parallel on a mesh that is not part of the "
+                         f"FSDP mesh's; build one mesh with init_device_mesh and pass mesh['tp'] to "
+                         f"parallelize_module and mesh['dp'] to fully_shard")
+    tp_layout = tp.layout if tp is not None else None
+    if tp_layout is None and tp_axes:  # replicated over TP
+        tp_layout = Layout(global_shape, tuple(root.size(a) for a in tp_axes), tp_axes,
+                           (Replicate(),) * len(tp_axes), tuple(root.get_local_rank(a) for a in tp_axes))
+    layout = fsdp_layout(global_shape, tp_layout, mesh.shape, mesh.mesh_dim_names, mesh.get_coordinate())
+    tp_names = tp_layout.axis_names if tp_layout is not None else ()
+    return layout.reorder(tp_names + mesh.mesh_dim_names)  # TP first: torch splits left to right
+
+
 class FSDPParam:
-    def __init__(self, module: nn.Module, name: str, fqn: str, tp: TPParam | None,
-                 mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], coordinate: tuple[int, ...]) -> None:
+    def __init__(self, module: nn.Module, name: str, fqn: str, tp: TPParam | None, mesh: DeviceMesh,
+                 tp_axes: tuple[str, ...] = ()) -> None:
         param = module._parameters[name]
         assert param is not None
         if param.ndim == 0:
             raise ValueError(f"fully_shard: parameter {fqn!r} is a 0-dim scalar; FSDP shards dim 0, "
                              f"so give it shape (1,)")
         self.module, self.name, self.fqn, self.tp = module, name, fqn, tp
+        self.aliases: list[tuple[nn.Module, str]] = []  # other (module, name) holding it (tied)
         self.sharded: nn.Parameter = param
+        self.original_id = id(param)  # the tensor fully_shard found (to spot ties across groups)
         self.requires_grad = param.requires_grad
-        self.unsharded_shape = tuple(param.shape)
-        k, rank = mesh_shape[-1], coordinate[-1]
+        self.unsharded_shape = tuple(tp.layout.local_shape) if tp is not None else tuple(param.shape)
+        self.mesh = mesh
+        k, rank = mesh.shape[-1], mesh.get_coordinate()[-1]
         self.num_shards = k
         rows = self.unsharded_shape[0]
         self.padded_rows = -(-rows // k)
         self.row_numel = math.prod(self.unsharded_shape[1:])
         self.segment_numel = self.padded_rows * self.row_numel  # per-rank slot in the flat buffer
-        self.rank_rows = [chunk_range(rows, k, i) for i in range(k)]
-        start, n = self.rank_rows[rank]
+        start, n = chunk_range(rows, k, rank)
         self.shard_rows = (start, n)
         self.shard_shape = (n, *self.unsharded_shape[1:])
         global_shape = tp.layout.global_shape if tp is not None else self.unsharded_shape
-        self.layout: Layout = fsdp_layout(global_shape, tp.layout if tp is not None else None,
-                                          mesh_shape, axis_names, coordinate)
+        self.layout: Layout = param_layout(fqn, global_shape, tp, mesh, tp_axes)
+        self._specs: dict = {}  # dtype -> DTensorSpec of the sharded parameter
         self.offset = 0  # in the all-gather buffer; set by the group
         self.store_offset = 0  # in this parameter's dtype's flat storage
         self.axis_groups: dict = {}  # mesh axis name -> process group, for every layout axis
         self.unsharded: nn.Parameter | None = None
+        self.padded: torch.Tensor | None = None  # the unsharded storage, k * padded_rows rows
         self.acc_grad: torch.Tensor | None = None  # no-sync accumulation in reduce_dtype
-        self.expected_ptr = 0  # data_ptr of the sharded view: a change means replaced storage
+        self.expected_local: torch.Tensor | None = None  # the sharded view; another means replaced
 
-    @property
-    def even(self) -> bool:
-        return self.padded_rows * self.num_shards == self.unsharded_shape[0]
+    def spec(self, dtype: torch.dtype):
+        """The DTensor spec of the sharded parameter (and its gradient) in ``dtype``."""
+        if dtype not in self._specs:
+            self._specs[dtype] = spec_of(self.layout, self.mesh, dtype)
+        return self._specs[dtype]
+
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a tensor of the unsharded shape."""
@@ -66,13 +103,19 @@ class FSDPParam:
         return full[start:start + n]
 
     def make_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
-        """(Re)create the persistent unsharded parameter, storage freed."""
-        t = torch.empty(self.unsharded_shape, dtype=dtype, device=device)
-        self.unsharded = nn.Parameter(t, requires_grad=self.requires_grad)
+        """(Re)create the persistent unsharded parameter, storage freed. Its storage holds
+        ``k * padded_rows`` rows (the all-gather's layout: one copy per group, even or
+        not); the parameter is a view of the first ``rows`` of them."""
+        padded = torch.empty(self.num_shards * self.segment_numel, dtype=dtype, device=device)
+        rows = padded[:self.unsharded_shape[0] * self.row_numel].view(self.unsharded_shape)
+        self.unsharded = nn.Parameter(rows, requires_grad=self.requires_grad)
+        # .data: the same storage with its own version counter, so refilling what autograd
+        # saved (a re-gather before backward) is not an in-place modification error
+        self.padded = padded.data
         self.free_unsharded()
 
     def alloc_unsharded(self) -> None:
-        t = self.unsharded
+        t = self.padded
         nbytes = t.numel() * t.element_size()
         if t.untyped_storage().size() != nbytes:
             t.untyped_storage().resize_(nbytes)
@@ -81,31 +124,19 @@ class FSDPParam:
         if self.unsharded is not None and self.unsharded.device.type != "meta":
             self.unsharded.untyped_storage().resize_(0)
 
-    def copy_in(self, gathered: torch.Tensor, dst: torch.Tensor | None = None, offset: int | None = None) -> None:
-        """Fill ``dst`` (default: ``unsharded``) from the all-gathered flat buffer viewed
-        (k, total), this parameter's segment starting at ``offset`` (default: its own)."""
+    def copy_in(self, gathered: torch.Tensor, dst: torch.Tensor, offset: int | None = None) -> None:
+        """Fill ``dst`` (the unsharded shape) from the all-gathered flat buffer viewed
+        (k, total), this parameter's segment starting at ``offset`` (default: its own).
+        Not on the training path (which copies into the padded storage, see above)."""
         offset = self.offset if offset is None else offset
         seg = gathered[:, offset:offset + self.segment_numel]
-        # .data: a fresh version counter, so refilling what autograd saved is not an in-place error
-        dst = self.unsharded.data if dst is None else dst
-        if self.even:
-            dst.view(self.num_shards, -1).copy_(seg)
-            return
-        for i, (start, n) in enumerate(self.rank_rows):
-            if n:
-                dst[start:start + n].view(-1).copy_(seg[i, : n * self.row_numel])
-
-    def copy_grad_out(self, grad: torch.Tensor, buf: torch.Tensor) -> None:
-        """Write ``grad`` (unsharded shape) into the reduce-scatter input viewed (k, total)."""
-        seg = buf[:, self.offset:self.offset + self.segment_numel]
-        if self.even:
-            seg.copy_(grad.reshape(self.num_shards, -1))
-            return
-        seg.zero_()
-        for i, (start, n) in enumerate(self.rank_rows):
-            if n:
-                seg[i, : n * self.row_numel].copy_(grad[start:start + n].reshape(-1))
+        rows = self.unsharded_shape[0] * self.row_numel
+        dst.view(-1).copy_(seg.reshape(-1)[:rows])
 
     def register(self, which: str) -> None:
-        """Make the owning module hold the sharded or the unsharded parameter."""
-        self.module._parameters[self.name] = self.unsharded if which == "unsharded" else self.sharded
+        """Make the owning module (and any module it is tied to) hold the sharded or the
+        unsharded parameter."""
+        param = self.unsharded if which == "unsharded" else self.sharded
+        self.module._parameters[self.name] = param
+        for module, name in self.aliases:
+            module._parameters[name] = param

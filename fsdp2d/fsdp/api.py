@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._dtensor import local_of
+from ..tensor_parallel._params import tp_params
 from ..mesh import DeviceMesh
 from ._group import CPUOffloadPolicy, FSDPParamGroup, MixedPrecisionPolicy, OffloadPolicy
 from ._param import FSDPParam
@@ -113,10 +115,17 @@ def _fsdp_class(cls: type) -> type:
 def _world_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("fully_shard without mesh= needs torch.distributed initialised; pass mesh=mesh['dp']")
+    world_group = dist.group.WORLD
+    if _WORLD_MESH and _WORLD_MESH[0] is world_group:
+        return _WORLD_MESH[1]  # one mesh per default group: every parameter of a model shares it
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     world = dist.get_world_size()
-    return DeviceMesh(device, torch.arange(world, dtype=torch.int), ("dp",), [dist.group.WORLD],
-                      (dist.get_rank(),))
+    mesh = DeviceMesh(device, torch.arange(world, dtype=torch.int), ("dp",), [world_group], (dist.get_rank(),))
+    _WORLD_MESH[:] = [world_group, mesh]
+    return mesh
+
+
+_WORLD_MESH: list = []  # [default group, its mesh] for fully_shard without mesh=
 
 
 def _managed(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, str]]:
@@ -167,7 +176,6 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
         warnings.warn("CPUOffloadPolicy on a CPU mesh: shards already live on the CPU; nothing to offload",
                       stacklevel=2)
     params = _fsdp_params_of(module, mesh)
-    _check_no_shared(params)
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     group = FSDPParamGroup(params, mesh.get_group(mesh.ndim - 1), replicate, mp_policy, offload_policy,
                            type(module).__name__) if params else None
@@ -185,32 +193,47 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
 
 def _fsdp_params_of(module: nn.Module, mesh: DeviceMesh) -> list[FSDPParam]:
     """FSDP state for each parameter of ``module`` not managed by an inner fully_shard,
-    with the process group of every axis of its 2D layout."""
-    params = []
-    for fqn, owner, name in _managed(module):
-        tp = getattr(owner, "_fsdp2d_tp", {}).get(name)
-        clash = sorted(set(tp.mesh.mesh_dim_names) & set(mesh.mesh_dim_names)) if tp is not None else []
+    with the process group of every axis of its 2D layout. A tensor held by several
+    modules (tied weights) is one FSDPParam that registers on all of them."""
+    params: list[FSDPParam] = []
+    by_id: dict[int, FSDPParam] = {}
+    for fqn, info in tp_params(module):
+        clash = sorted(set(info.mesh.mesh_dim_names) & set(mesh.mesh_dim_names))
         if clash:
             raise ValueError(
                 f"fully_shard: mesh axis {clash[0]!r} is the tensor-parallel axis of parameter {fqn!r}; "
                 f"shard over the data axis only, e.g. fully_shard(module, mesh=mesh['dp'])"
             )
-        param = FSDPParam(owner, name, fqn, tp, mesh.shape, mesh.mesh_dim_names, mesh.get_coordinate())
-        param.axis_groups = {n: mesh.get_group(n) for n in mesh.mesh_dim_names}
-        if tp is not None:
-            param.axis_groups.update({n: tp.mesh.get_group(n) for n in tp.mesh.mesh_dim_names})
+    used = {info.mesh.mesh_dim_names[0] for _, info in tp_params(module)}
+    tp_axes = tuple(a for a in mesh.root.mesh_dim_names if a in used)  # root order
+    for fqn, owner, name in _managed(module):
+        current = owner._parameters[name]
+        if id(current) in by_id:  # tied: the same tensor again
+            by_id[id(current)].aliases.append((owner, name))
+            continue
+        tp = getattr(owner, "_fsdp2d_tp", {}).get(name)
+        param = FSDPParam(owner, name, fqn, tp, mesh, tp_axes)
+        param.axis_groups = {n: mesh.root.get_group(n) for n in param.layout.axis_names}
+        by_id[id(current)] = param
         params.append(param)
+    _check_ties_outside(module, by_id)
     return params
 
 
-def _check_no_shared(params: list[FSDPParam]) -> None:
-    seen: dict[int, str] = {}
-    for p in params:
-        key = id(p.module._parameters[p.name])
-        if key in seen:
-            raise ValueError(f"fully_shard: parameter {p.fqn!r} is the same tensor as {seen[key]!r} (tied "
-                             f"weights); untie them or shard their common parent so one group owns both")
-        seen[key] = p.fqn
+def _check_ties_outside(module: nn.Module, by_id: dict[int, FSDPParam]) -> None:
+    """A tensor this group shards must not also be held by a module an inner
+    ``fully_shard`` manages: two groups would shard one tensor (torch unties it)."""
+    for name, child in module.named_modules():
+        state = getattr(child, "_fsdp2d_fsdp", None)
+        if child is module or state is None or state.group is None:
+            continue
+        for p in state.group.params:
+            mine = by_id.get(p.original_id)
+            if mine is not None:
+                raise ValueError(
+                    f"fully_shard: parameter {mine.fqn!r} is the same tensor as {name}.{p.fqn} (tied weights), "
+                    f"which an inner fully_shard already manages; do not fully_shard a module that holds only "
+                    f"one of them, shard their common parent, so one group owns both")
 
 
 def fsdp_params(model: nn.Module) -> Iterator[tuple[str, FSDPParam]]:
@@ -240,7 +263,9 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
         g.sync_params()
         g.reshard()
         for p, full in zip(g.params, g.gather_exact()):
-            p.module._parameters[p.name] = nn.Parameter(full, requires_grad=p.requires_grad)
+            full = nn.Parameter(full, requires_grad=p.requires_grad)
+            for owner, name in [(p.module, p.name), *p.aliases]:
+                owner._parameters[name] = full
     try:
         yield
     finally:
@@ -248,5 +273,5 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
             for g in groups:
                 for p in g.params:
                     if writeback:
-                        p.sharded.copy_(p.shard_of(p.module._parameters[p.name]))
+                        local_of(p.sharded).copy_(p.shard_of(p.module._parameters[p.name]))
                     p.register("sharded")

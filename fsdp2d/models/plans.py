@@ -88,13 +88,13 @@ def llama_tp_plan(*, sequence_parallel: bool = False,
     sp = sequence_parallel
     plan: dict[str, ParallelStyle] = {"tok_embeddings": _embedding(tp, Replicate, Shard, sp)}
     if sp:
-        plan["norm"] = tp.SequenceParallel()
-        plan["layers.*.attention_norm"] = tp.SequenceParallel()
-        plan["layers.*.ffn_norm"] = tp.SequenceParallel()
+        plan["norm"] = tp.SequenceParallel(use_local_output=True)
+        plan["layers.*.attention_norm"] = tp.SequenceParallel(use_local_output=True)
+        plan["layers.*.ffn_norm"] = tp.SequenceParallel(use_local_output=True)
         plan["layers.*.attention"] = tp.PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True)
         plan["layers.*.feed_forward"] = tp.PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
     for name in ("attention.wq", "attention.wk", "attention.wv",
                  "feed_forward.w1", "feed_forward.w3"):
         plan[f"layers.*.{name}"] = tp.ColwiseParallel()
@@ -131,13 +131,13 @@ def gpt2_tp_plan(*, sequence_parallel: bool = False,
     if sp:
         plan["wpe"] = tp.PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Shard(0))
-        plan["ln_f"] = tp.SequenceParallel()
-        plan["h.*.ln_1"] = tp.SequenceParallel()
-        plan["h.*.ln_2"] = tp.SequenceParallel()
+        plan["ln_f"] = tp.SequenceParallel(use_local_output=True)
+        plan["h.*.ln_1"] = tp.SequenceParallel(use_local_output=True)
+        plan["h.*.ln_2"] = tp.SequenceParallel(use_local_output=True)
         plan["h.*.attn"] = tp.PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
         plan["h.*.mlp"] = tp.PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
     for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.c_fc"):
         plan[f"h.*.{name}"] = tp.ColwiseParallel()
     for name in ("attn.c_proj", "mlp.c_proj"):

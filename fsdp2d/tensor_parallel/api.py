@@ -17,6 +17,7 @@ from typing import Mapping
 from torch import nn
 
 from ..mesh import DeviceMesh
+from ._params import TIES
 from .style import ParallelStyle
 
 __all__ = ["parallelize_module"]
@@ -113,8 +114,43 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         style.validate(mod, fqn)
         for pname in getattr(mod, "_fsdp2d_tp", {}):
             raise ValueError(f"parallelize_module: parameter {fqn}.{pname} is already tensor-parallel")
-    for fqn, mod, style in targets:
-        style = copy.copy(style)  # never change the caller's (possibly shared) style object
-        style.src_data_rank = src_data_rank
-        style.apply(mod, fqn, device_mesh)
+    _check_ties(module, targets)
+    token = TIES.set({})  # tied parameters are sharded once and stay one object
+    try:
+        for fqn, mod, style in targets:
+            style = copy.copy(style)  # never change the caller's (possibly shared) style object
+            style.src_data_rank = src_data_rank
+            style.apply(mod, fqn, device_mesh)
+    finally:
+        TIES.reset(token)
     return module
+
+
+def _check_ties(module: nn.Module, targets: list[tuple[str, nn.Module, ParallelStyle]]) -> None:
+    """A parameter held by several modules (tied weights) must get one placement from
+    every style that shards it, and every module holding it must be in the plan:
+    otherwise sharding would silently untie it (torch unties and trains another model)."""
+    planned: dict[int, tuple[str, object]] = {}  # id(param) -> (first fqn, placement)
+    holders: set[tuple[int, str]] = set()  # (id(module), name) the plan shards
+    for fqn, mod, style in targets:
+        for name, placement in style.param_placements(mod).items():
+            p = mod._parameters.get(name)
+            if p is None:
+                continue
+            where = f"{fqn}.{name}" if fqn else name
+            first = planned.setdefault(id(p), (where, placement))
+            if first[1] != placement:
+                raise ValueError(
+                    f"parallelize_module: {where} is the same tensor as {first[0]} (tied weights) but the plan "
+                    f"shards them as {placement} and {first[1]}; give both modules styles that shard the "
+                    f"tensor the same way (e.g. RowwiseParallel embedding + ColwiseParallel head: Shard(0)), "
+                    f"or untie them")
+            holders.add((id(mod), name))
+    for mname, mod in module.named_modules(remove_duplicate=False):
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) in planned and (id(mod), name) not in holders:
+                where = f"{mname}.{name}" if mname else name
+                raise ValueError(
+                    f"parallelize_module: {where} is the same tensor as {planned[id(p)][0]} (tied weights), "
+                    f"which the plan shards, but {where} is not in the plan; add a style for "
+                    f"{mname or '<root>'!r} that shards it the same way, or untie them")

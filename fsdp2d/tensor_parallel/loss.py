@@ -22,7 +22,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from torch.distributed.tensor import DTensor
+
 from .. import _collectives as C
+from .._dtensor import local_of
 from ..placement import chunk_range
 
 __all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
@@ -60,9 +63,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_t, mine, valid = ctx.saved_tensors
-        grad = softmax.clone()  # d loss / d logits = softmax - onehot(target)
-        rows = torch.nonzero(mine, as_tuple=True)[0]
-        grad[rows, local_t[rows]] -= 1.0
+        # d loss / d logits = softmax - onehot(target): subtract 1 where this rank holds the
+        # target (adding -0.0 elsewhere changes nothing). A scatter, not nonzero(): no
+        # data-dependent shape, so no host sync.
+        index = local_t.clamp(0, max(softmax.shape[-1] - 1, 0)).unsqueeze(-1)
+        grad = softmax.scatter_add(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
         grad *= (grad_loss * valid).unsqueeze(-1)
         return grad.to(ctx.in_dtype), None, None, None, None
 
@@ -94,6 +99,10 @@ class _LossParallelMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func is F.cross_entropy and isinstance(src, DTensor):  # use_local_output=False logits
+            args = (_tagged_local(src), *(local_of(a) for a in args[1:]))
+            kwargs = {k: local_of(v) for k, v in kwargs.items()}
+            src = args[0]
         tag = getattr(src, "_fsdp2d_vocab", None) if src is not None else None
         if tag is not None and func is F.cross_entropy:
             return _cross_entropy(*args, **kwargs)
@@ -102,6 +111,17 @@ class _LossParallelMode(TorchFunctionMode):
                 and out.ndim and out.shape[-1] == src.shape[-1]:
             out._fsdp2d_vocab = tag
         return out
+
+
+def _tagged_local(logits: DTensor) -> torch.Tensor:
+    """The local vocab shard of DTensor logits sharded on the last dim over a 1-D mesh."""
+    p = logits.placements[0] if logits.device_mesh.ndim == 1 else None
+    if p is None or not p.is_shard() or p.dim % logits.ndim != logits.ndim - 1:
+        raise ValueError(f"loss_parallel: DTensor logits must be sharded on the vocab (last) dim of a 1-D TP "
+                         f"mesh, got placements {logits.placements} on {logits.device_mesh}")
+    local = logits.to_local()
+    local._fsdp2d_vocab = (logits.device_mesh.get_group(), logits.shape[-1])
+    return local
 
 
 def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,

@@ -2,13 +2,16 @@
 
 A style knows layouts, not models. ``validate`` checks that it can apply to a module
 (it runs for every module in a plan before any is changed, so a bad plan changes
-nothing); ``apply`` replaces parameters by this rank's local shard (recording each
-one's :class:`~fsdp2d.placement.Layout`) and installs forward hooks that move the
+nothing); ``apply`` replaces parameters by DTensors holding this rank's shard (recording
+each one's :class:`~fsdp2d.placement.Layout`) and installs forward hooks that move the
 activations between layouts with the collectives of ``_functions``.
 
-Keywords follow ``torch.distributed.tensor.parallel``. One documented difference:
-activations are always plain local tensors, so ``use_local_output`` is accepted for
-compatibility and has no effect.
+Keywords and defaults follow ``torch.distributed.tensor.parallel`` with torch's
+semantics: ``input_layouts`` describe plain inputs (a DTensor input brings its own
+placement), ``output_layouts`` any layout torch accepts for the style, and
+``use_local_output=False`` returns DTensor activations with global shapes (see
+``_activations``). ``SequenceParallel`` and the ``PrepareModule*`` styles are in
+``prepare.py``.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from .. import _collectives as C
 from ..mesh import DeviceMesh
 from ..placement import Partial, Placement, Replicate, Shard
 from . import _functions as T
-from ._params import shard_parameter, mark_partial_grads
+from ._activations import as_output, local_input, redistribute
+from ._params import shard_parameter
 
-__all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-           "PrepareModuleInput", "PrepareModuleOutput"]
+__all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel"]
 
 
 class ParallelStyle:
@@ -41,6 +44,17 @@ class ParallelStyle:
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:  # pragma: no cover
         raise NotImplementedError
 
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """``{parameter name: placement on the TP axis}`` this style gives ``module``'s own
+        parameters (checked for ties before anything changes, then applied)."""
+        return {}
+
+    def _shard_params(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
+        for name, placement in self.param_placements(module).items():
+            if module._parameters.get(name) is not None:
+                shard_parameter(module, name, placement, mesh, self.src_data_rank,
+                                fqn=f"{fqn}.{name}" if fqn else name)
+
     def _require(self, module: nn.Module, fqn: str, types_: tuple[type, ...]) -> None:
         if not isinstance(module, types_):
             names = " or ".join(t.__name__ for t in types_)
@@ -49,38 +63,6 @@ class ParallelStyle:
                 f"{type(module).__name__}: it supports nn.{names}. Use another style or "
                 f"change the plan's pattern so it does not match this module"
             )
-
-
-def redistribute(x: Any, src: Placement | None, dst: Placement | None, group: C.Group) -> Any:
-    """Move activation ``x`` from layout ``src`` to ``dst`` on the TP group.
-
-    ``None`` on either side (or a non-tensor ``x``) leaves ``x`` alone. Supported moves:
-    Shard->Replicate (all-gather), Replicate->Shard (split), Partial->Replicate
-    (all-reduce), Partial->Shard (reduce-scatter), Shard(a)->Shard(a), and no-op moves.
-    """
-    if src is None or dst is None or not isinstance(x, torch.Tensor) or src == dst:
-        return x
-    dim = lambda p: p.dim % x.ndim  # noqa: E731
-    k = C.group_size(group)
-    # A sequence-style shard (any dim but the last, the feature dim) is gathered again
-    # later without size information, so it must split evenly; feature dims may not.
-    if isinstance(dst, Shard) and not isinstance(src, Shard) and dim(dst) != x.ndim - 1 and x.shape[dim(dst)] % k:
-        raise ValueError(
-            f"cannot shard an activation of shape {tuple(x.shape)} along dim {dim(dst)} over {k} TP ranks: "
-            f"{x.shape[dim(dst)]} is not divisible by {k}. Sequence parallel needs a sequence length "
-            f"divisible by the TP degree (pad the batch or change tp)"
-        )
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return T.gather_cached(x, dim(src), group=group)
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return T.scatter_to_tp(x, dim(dst), group=group)
-    if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return T.reduce_from_tp(x, group=group)
-    if isinstance(src, Partial) and isinstance(dst, Shard):
-        return T.reduce_scatter_to_tp(x, dim(dst), group=group)
-    if isinstance(src, Shard) and isinstance(dst, Shard) and dim(src) == dim(dst):
-        return x
-    raise NotImplementedError(f"redistributing an activation from {src} to {dst} is not supported")
 
 
 def _one(layouts: Placement | Sequence[Placement] | None, default: Placement) -> Placement:
@@ -98,42 +80,51 @@ class ColwiseParallel(ParallelStyle):
     ``nn.Embedding`` weight ``Shard(1)`` (embedding dim).
 
     Input ``input_layouts`` (default ``Replicate()``; ``Shard(1)`` = sequence parallel,
-    all-gathered once per tensor and shared by every layer that reads it). Output
-    ``Shard(-1)`` (default) or ``Replicate()`` (all-gathered). Layers reading the same
-    replicated input share one backward reduction (see ``_functions.tp_input``).
+    all-gathered once per tensor and shared by every layer that reads it; embedding ids
+    are gathered likewise). Output ``output_layouts``: ``Shard(-1)`` (default, the local
+    columns), ``Replicate()`` (all-gathered) or ``Shard(d)`` (gathered, then split along
+    ``d``). Layers reading the same replicated input share one backward reduction (see
+    ``_functions.tp_input``). ``use_local_output=False``: the output is a DTensor.
     """
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True) -> None:
         self.input_layout = _one(input_layouts, Replicate())
         self.output_layout = _one(output_layouts, Shard(-1))
-        if not (isinstance(self.output_layout, Replicate) or
-                (isinstance(self.output_layout, Shard) and self.output_layout.dim == -1)):
-            raise ValueError(f"ColwiseParallel output_layouts must be Shard(-1) or Replicate(), got {self.output_layout}")
+        if isinstance(self.output_layout, Partial):
+            raise ValueError(f"ColwiseParallel output_layouts must be Shard(d) or Replicate(), got "
+                             f"{self.output_layout}: column-wise outputs are complete, never partial sums")
         self.use_local_output = use_local_output
 
     def validate(self, module: nn.Module, fqn: str) -> None:
         self._require(module, fqn, (nn.Linear, nn.Embedding))
 
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        if isinstance(module, nn.Linear):
+            return {"weight": Shard(0), "bias": Shard(0)}
+        return {"weight": Shard(1)}
+
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
         is_linear = isinstance(module, nn.Linear)
-        shard_parameter(module, "weight", Shard(0 if is_linear else 1), mesh, self.src_data_rank)
-        if is_linear and module.bias is not None:
-            shard_parameter(module, "bias", Shard(0), mesh, self.src_data_rank)
+        self._shard_params(module, mesh, fqn)
         group, in_layout, out_layout = mesh.get_group(), self.input_layout, self.output_layout
-        global_out = module.out_features if is_linear else module.embedding_dim
+        global_out, use_local = (module.out_features if is_linear else module.embedding_dim), self.use_local_output
 
         def pre(mod: nn.Module, args: tuple) -> tuple:
-            x = redistribute(args[0], in_layout, Replicate(), group)
+            x, src = local_input(args[0], in_layout, fqn)
+            x = redistribute(x, src, Replicate(), group)
             if is_linear:
                 x = T.tp_input(x, group=group)
             return (x, *args[1:])
 
         def post(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-            if isinstance(out_layout, Replicate):
-                return T.gather_from_tp(out, -1, group=group, global_size=global_out)
-            out._fsdp2d_vocab = (group, global_out)  # read by loss_parallel()
-            return out
+            last = isinstance(out_layout, Shard) and out_layout.dim % out.ndim == out.ndim - 1
+            if last:
+                out._fsdp2d_vocab = (group, global_out)  # read by loss_parallel()
+            else:
+                out = T.gather_from_tp(out, -1, group=group, global_size=global_out)
+                out = redistribute(out, Replicate(), out_layout, group)
+            return as_output(out, out_layout, mesh, use_local, global_out)
 
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
@@ -141,20 +132,21 @@ class ColwiseParallel(ParallelStyle):
 
 class RowwiseParallel(ParallelStyle):
     """Row-wise: ``nn.Linear`` weight ``Shard(1)`` (in features), bias ``Replicate()``
-    (added once, after the reduction); ``nn.Embedding`` weight ``Shard(0)`` (vocab
+    (added once, to the reduced output); ``nn.Embedding`` weight ``Shard(0)`` (vocab
     parallel: each rank looks up the ids in its vocab range, others give zeros).
 
-    Input ``input_layouts`` (Linear default ``Shard(-1)``; ``Replicate()`` is split
-    locally; Embedding ids are always replicated). Output ``Replicate()`` (default,
-    all-reduce) or ``Shard(d)`` (reduce-scatter, e.g. ``Shard(1)`` for sequence parallel).
+    Input ``input_layouts`` (default ``Shard(-1)``, torch's, also for embedding ids:
+    pass ``Replicate()`` for ids every rank holds; sharded ids are all-gathered first).
+    Output ``output_layouts``: ``Replicate()`` (default, all-reduce), ``Shard(d)``
+    (reduce-scatter, e.g. ``Shard(1)`` for sequence parallel) or ``Partial()`` (no
+    reduction: the summands, with the bias on TP rank 0 only). ``use_local_output=False``:
+    the output is a DTensor.
     """
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True) -> None:
         self.input_layout = _one(input_layouts, Shard(-1))
         self.output_layout = _one(output_layouts, Replicate())
-        if not isinstance(self.output_layout, (Replicate, Shard)):
-            raise ValueError(f"RowwiseParallel output_layouts must be Replicate() or Shard(d), got {self.output_layout}")
         self.use_local_output = use_local_output
 
     def validate(self, module: nn.Module, fqn: str) -> None:
@@ -162,27 +154,51 @@ class RowwiseParallel(ParallelStyle):
         if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
             raise TypeError(f"RowwiseParallel on {fqn!r}: nn.Embedding with max_norm or sparse=True is not supported")
 
-    def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
-        group, out_layout = mesh.get_group(), self.output_layout
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
         if isinstance(module, nn.Linear):
-            shard_parameter(module, "weight", Shard(1), mesh, self.src_data_rank)
-            if module.bias is not None:
-                shard_parameter(module, "bias", Replicate(), mesh, self.src_data_rank)
-                if isinstance(out_layout, Shard):  # bias meets sequence shards: partial grads
-                    mark_partial_grads(module, ("bias",), group)
-            in_layout = self.input_layout
-            module.register_forward_pre_hook(
-                lambda mod, args: (redistribute(args[0], in_layout, Shard(-1), group), *args[1:]))
-            module.forward = types.MethodType(_rowwise_linear_forward, module)
-        else:
-            shard_parameter(module, "weight", Shard(0), mesh, self.src_data_rank)
-            module.forward = types.MethodType(_vocab_parallel_embedding_forward, module)
-        module._fsdp2d_reduce = lambda y: redistribute(y, Partial(), out_layout, group)
+            return {"weight": Shard(1), "bias": Replicate()}
+        return {"weight": Shard(0)}
+
+    def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
+        group, in_layout, out_layout = mesh.get_group(), self.input_layout, self.output_layout
+        self._shard_params(module, mesh, fqn)
+        is_linear = isinstance(module, nn.Linear)
+        needed = Shard(-1) if is_linear else Replicate()
+
+        def pre(mod: nn.Module, args: tuple) -> tuple:
+            x, src = local_input(args[0], in_layout, fqn)
+            return (redistribute(x, src, needed, group), *args[1:])
+
+        def reduce(y: torch.Tensor) -> torch.Tensor:  # partial sums -> output layout
+            return y if isinstance(out_layout, Partial) else redistribute(y, Partial(), out_layout, group)
+
+        module._fsdp2d_reduce = reduce
+        module._fsdp2d_bias = lambda b, ndim: _bias_for(b, out_layout, group, ndim)
+        module._fsdp2d_output = lambda y: as_output(y, out_layout, mesh, self.use_local_output,
+                                                    module.out_features if is_linear else module.embedding_dim)
+        module.register_forward_pre_hook(pre)
+        module.forward = types.MethodType(_rowwise_linear_forward if is_linear else
+                                          _vocab_parallel_embedding_forward, module)
+
+
+def _bias_for(bias: torch.Tensor, out_layout: Placement, group, ndim: int) -> torch.Tensor | None:
+    """The part of a replicated bias this rank adds to an ``ndim`` output laid out as
+    ``out_layout``, with the backward that makes its gradient complete on every rank:
+    all of it (Replicate); its feature shard (output sharded on the last dim: gradients
+    all-gathered); all of it on a sequence shard (partial gradients, all-reduced); for a
+    ``Partial()`` output, all of it on TP rank 0 and zeros elsewhere (summed once)."""
+    if isinstance(out_layout, Replicate):
+        return bias
+    if isinstance(out_layout, Shard) and out_layout.dim % ndim == ndim - 1:
+        return T.scatter_to_tp(bias, 0, group=group)
+    bias = T.copy_to_tp(bias, group=group)
+    return bias if not isinstance(out_layout, Partial) or C.group_rank(group) == 0 else bias.mul(0.0)
 
 
 def _rowwise_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     y = self._fsdp2d_reduce(F.linear(x, self.weight))  # partial sums -> output layout
-    return y if self.bias is None else y + self.bias
+    bias = None if self.bias is None else self._fsdp2d_bias(self.bias, y.ndim)
+    return self._fsdp2d_output(y if bias is None else y + bias)
 
 
 def _vocab_parallel_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
@@ -190,7 +206,8 @@ def _vocab_parallel_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> 
     padding = self.padding_idx
     if padding is not None:
         padding = padding - start if start <= padding < start + self.weight.shape[0] else None
-    return self._fsdp2d_reduce(_VocabShardEmbedding.apply(ids, self.weight, start, padding))  # partial
+    partial = _VocabShardEmbedding.apply(ids, self.weight, start, padding)
+    return self._fsdp2d_output(self._fsdp2d_reduce(partial))
 
 
 def _local_ids(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,98 +238,3 @@ class _VocabShardEmbedding(torch.autograd.Function):
         grad = grad.masked_fill(outside.unsqueeze(-1), 0.0)
         padding = -1 if ctx.padding is None else ctx.padding
         return None, torch.ops.aten.embedding_backward(grad, local, ctx.rows, padding, False, False), None, None
-
-
-class SequenceParallel(ParallelStyle):
-    """For norms (and other replicated-parameter modules) on sequence-sharded activations.
-
-    Parameters stay replicated; because each rank sees only its sequence shard, their
-    gradients are partial and are summed over TP in backward. Input and output stay
-    sharded along ``sequence_dim``.
-    """
-
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
-        self.sequence_dim = sequence_dim
-        self.use_local_output = use_local_output
-
-    def validate(self, module: nn.Module, fqn: str) -> None:
-        if next(module.parameters(recurse=False), None) is None:
-            raise TypeError(f"SequenceParallel on {fqn or '<root>'!r}: the module has no parameters of its own "
-                            f"(it applies to leaf modules such as norms); match the norm modules instead")
-
-    def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
-        names = [n for n, _ in module.named_parameters(recurse=False)]
-        for name in names:
-            shard_parameter(module, name, Replicate(), mesh, self.src_data_rank)
-        mark_partial_grads(module, tuple(names), mesh.get_group())
-
-
-def _as_tuple(layouts: Any) -> tuple:
-    if layouts is None:
-        return ()
-    return tuple(layouts) if isinstance(layouts, (tuple, list)) else (layouts,)
-
-
-class PrepareModuleInput(ParallelStyle):
-    """Move a module's inputs from ``input_layouts`` to ``desired_input_layouts`` (one
-    entry per positional input, ``None`` for non-tensors or inputs left alone); the
-    same for keyword inputs with ``input_kwarg_layouts``/``desired_input_kwarg_layouts``.
-    """
-
-    def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
-                 input_kwarg_layouts: dict[str, Placement] | None = None,
-                 desired_input_kwarg_layouts: dict[str, Placement] | None = None,
-                 use_local_output: bool = False) -> None:
-        self.input_layouts = _as_tuple(input_layouts)
-        self.desired_input_layouts = _as_tuple(desired_input_layouts)
-        if len(self.input_layouts) != len(self.desired_input_layouts):
-            raise ValueError("PrepareModuleInput: input_layouts and desired_input_layouts need the same length")
-        self.kwarg_layouts = dict(input_kwarg_layouts or {})
-        self.desired_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
-        if set(self.kwarg_layouts) != set(self.desired_kwarg_layouts):
-            raise ValueError("PrepareModuleInput: input_kwarg_layouts and desired_input_kwarg_layouts need the same keys")
-        self.use_local_output = use_local_output
-
-    def validate(self, module: nn.Module, fqn: str) -> None:
-        pass
-
-    def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
-        group = mesh.get_group()
-        pairs = list(zip(self.input_layouts, self.desired_input_layouts))
-        kw = {k: (self.kwarg_layouts[k], self.desired_kwarg_layouts[k]) for k in self.kwarg_layouts}
-
-        def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple:
-            if len(args) < len(pairs):
-                raise ValueError(f"PrepareModuleInput on {fqn!r}: expected {len(pairs)} positional inputs, got {len(args)}")
-            args = tuple(redistribute(a, *pairs[i], group) if i < len(pairs) else a for i, a in enumerate(args))
-            kwargs = {k: redistribute(v, *kw[k], group) if k in kw else v for k, v in kwargs.items()}
-            return args, kwargs
-
-        module.register_forward_pre_hook(pre, with_kwargs=True)
-
-
-class PrepareModuleOutput(ParallelStyle):
-    """Move a module's outputs from ``output_layouts`` to ``desired_output_layouts``
-    (one entry per output when the module returns a tuple)."""
-
-    def __init__(self, *, output_layouts: Any, desired_output_layouts: Any, use_local_output: bool = True) -> None:
-        self.output_layouts = _as_tuple(output_layouts)
-        self.desired_output_layouts = _as_tuple(desired_output_layouts)
-        if len(self.output_layouts) != len(self.desired_output_layouts):
-            raise ValueError("PrepareModuleOutput: output_layouts and desired_output_layouts need the same length")
-        self.use_local_output = use_local_output
-
-    def validate(self, module: nn.Module, fqn: str) -> None:
-        pass
-
-    def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
-        group, pairs = mesh.get_group(), list(zip(self.output_layouts, self.desired_output_layouts))
-
-        def post(mod: nn.Module, args: tuple, out: Any) -> Any:
-            outs = out if isinstance(out, tuple) else (out,)
-            if len(outs) != len(pairs):
-                raise ValueError(f"PrepareModuleOutput on {fqn!r}: expected {len(pairs)} outputs, got {len(outs)}")
-            moved = tuple(redistribute(o, *p, group) for o, p in zip(outs, pairs))
-            return moved if isinstance(out, tuple) else moved[0]
-
-        module.register_forward_hook(post)

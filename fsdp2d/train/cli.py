@@ -4,7 +4,9 @@
 ``python -m fsdp2d.train``): outside torchrun it relaunches itself through
 ``torch.distributed.run`` with the processes the config asks for; under torchrun (one or
 many nodes, e.g. inside a SLURM allocation) it uses their environment. After a torchrun
-restart (``--max-restarts``) it resumes from the latest checkpoint.
+restart (``--max-restarts``) it resumes from the latest checkpoint that verifies.
+Mistakes found before the run starts (config, device, run folder, data: see
+``preflight``) are one line on stderr and exit code 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 
 import torch.distributed as dist
 
+from . import preflight
 from .config import ConfigError, help_text, load_config, validate
 from .hf import apply_init_from
 from .pretokenize import apply_pretokenize
@@ -25,11 +28,13 @@ def _split(argv: list[str]) -> tuple[str | None, list[str]]:
     config, rest, i = None, [], 0
     while i < len(argv):
         if argv[i] == "--config":
+            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError("--config needs a file: --config FILE.toml (presets are in configs/)")
             config, i = argv[i + 1], i + 2
         elif argv[i].startswith("--config="):
             config, i = argv[i].split("=", 1)[1], i + 1
-        elif argv[i] == "--resume":
-            rest.append("--checkpoint.resume=true")
+        elif argv[i] in ("--resume", "--overwrite"):
+            rest.append(f"--checkpoint.{argv[i][2:]}=true")
             i += 1
         else:
             rest.append(argv[i])
@@ -39,15 +44,18 @@ def _split(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def train(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        print("usage: fsdp2d train --config FILE.toml [--resume] [--section.key=value ...]\n")
+        print("usage: fsdp2d train --config FILE.toml [--resume | --overwrite] [--section.key=value ...]\n")
         print(help_text())
         return 0
-    config, overrides = _split(argv)
     try:
+        config, overrides = _split(argv)
         cfg = apply_init_from(load_config(config, overrides))
         apply_pretokenize(cfg, may_work="LOCAL_RANK" not in os.environ)
         if "LOCAL_RANK" not in os.environ:  # not under torchrun: launch ourselves
             validate(cfg)
+            preflight.check_device(cfg)
+            preflight.check_data_path(cfg)
+            preflight.check_run_folder(cfg)
             nproc = cfg.parallel.nproc or cfg.world_size
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                    "-m", "fsdp2d.train", *argv]
@@ -55,12 +63,20 @@ def train(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    from fsdp2d.checkpoint import CheckpointError
+
     from .trainer import Trainer  # imported only in the workers
 
     trainer = None
     try:
-        trainer = Trainer(cfg)
-        trainer.maybe_resume()
+        try:
+            trainer = Trainer(cfg)
+            trainer.maybe_resume()
+        except (ConfigError, CheckpointError) as exc:  # every rank raises it (they agree)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"{'config error' if isinstance(exc, ConfigError) else 'error'}: {exc}", file=sys.stderr)
+            return 2
+        trainer.start()
         trainer.run()
     finally:
         # Free the model (and its reference cycles) first, so the process groups are

@@ -222,7 +222,11 @@ class CheckpointConfig:
     keep_last: int = 2
     """Keep only the newest this-many checkpoints; 0 = keep all."""
     resume: bool = False
-    """Continue from the newest checkpoint in ``folder`` if there is one."""
+    """Continue from the newest checkpoint in ``folder`` that verifies, if there is one
+    (``--resume``); a corrupt newer one is skipped, and the log says so."""
+    overwrite: bool = False
+    """A run without ``resume`` refuses a run folder that holds an earlier run (its
+    config, metrics or checkpoints); ``true`` (``--overwrite``) deletes those at start."""
     folder: str = "checkpoints"
     """Checkpoint folder, relative to the run folder (``runs_dir/run_name``) unless absolute."""
     export_hf: bool = True
@@ -438,13 +442,19 @@ def load_config(path: str | os.PathLike[str] | None = None,
     ``overrides`` are ``--section.key=value`` strings (``--section.key value`` and a bare
     ``--flag`` meaning true also work); values are parsed by the field's type. An empty
     ``metrics.run_name`` becomes the file's stem. Raises ConfigError on unknown names or
-    ill-typed values, FileNotFoundError if ``path`` is missing. Call :func:`validate`
-    next for the cross-field rules.
+    ill-typed values or a config file that is missing or unreadable. Call
+    :func:`validate` next for the cross-field rules.
     """
     cfg = JobConfig()
     if path is not None:
         p = Path(path)
-        text = p.read_text()
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist (presets are in configs/, e.g. "
+                              f"configs/debug_cpu.toml)") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read config file {p}: {e}") from None
         try:
             data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:

@@ -60,12 +60,11 @@ class Metrics:
         self.tty = sys.stdout.isatty()
         self.writers = list(writers)  # TensorBoard / W&B (fsdp2d.train.writers), fed every logged record
         self._t0, self._step0 = time.perf_counter(), None  # for the ETA (a resumed run starts mid-way)
-        if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # (not before the run starts)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         for writer in self.writers:

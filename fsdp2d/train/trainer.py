@@ -28,6 +28,7 @@ from fsdp2d.checkpoint import export_hf
 from fsdp2d.models import GPT2, Llama, gpt2_tp_plan, llama_tp_plan, load_hf_into
 from fsdp2d.models.hf import model_spec
 
+from . import preflight
 from .config import JobConfig, save_config, validate
 from .data import build_data
 from .metrics import Metrics, device_peak, peak_memory_mib
@@ -97,17 +98,14 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", cfg.world_size)))
+        preflight.check_device(cfg)
         self.mesh = fsdp2d.init_device_mesh(cfg.parallel.device, cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names)
         self.rank = dist.get_rank()
+        self.data = self._preflight()
         self.model = build_model(cfg, self.mesh)
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                      weight_decay=o.weight_decay)
-        dp_rank = 0
-        for name in self.mesh.mesh_dim_names:
-            if name != "tp":
-                dp_rank = dp_rank * self.mesh.size(name) + self.mesh.get_local_rank(name)
-        self.data = build_data(cfg, dp_rank, cfg.dp_degree)
         self.ckpts = ckpt.CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.checkpoint.keep_last)
         self.step = 0
         writers = build_writers(cfg.metrics, cfg.run_dir, dataclasses.asdict(cfg)) if self.rank == 0 else []
@@ -116,22 +114,61 @@ class Trainer:
             meta = Llama(cfg.model.to_args()) if cfg.model.name == "llama" else GPT2(cfg.model.to_args())
         self.flops_per_token = meta.flops_per_token(cfg.data.seq_len)
         self.peak = device_peak(cfg.parallel.device, cfg.metrics.peak_flops)
+
+    def _preflight(self):
+        """This rank's data, once every rank found the run folder and the data fit to
+        start (ConfigError on all ranks together otherwise; nothing written yet)."""
+        cfg, data, error = self.cfg, None, ""
+        dp_rank = 0
+        for name in self.mesh.mesh_dim_names:
+            if name != "tp":
+                dp_rank = dp_rank * self.mesh.size(name) + self.mesh.get_local_rank(name)
+        try:
+            preflight.check_run_folder(cfg)
+            data = build_data(cfg, dp_rank, cfg.dp_degree)
+            preflight.check_data(cfg, data)
+        except (ValueError, OSError) as exc:  # ConfigError is a ValueError
+            error = str(exc)
+        preflight.agree(error)
+        return data
+
+    def start(self) -> None:
+        """The run starts: from here on it writes (the resolved config first)."""
         if self.rank == 0:
-            save_config(cfg, cfg.run_dir / "config.toml")
+            if self.cfg.checkpoint.overwrite and not preflight.resuming(self.cfg):
+                preflight.clear_earlier_run(self.cfg)
+            save_config(self.cfg, self.cfg.run_dir / "config.toml")
+        if dist.get_world_size() > 1:
+            dist.barrier()
 
     # -- resume ------------------------------------------------------------------------
     def maybe_resume(self) -> None:
-        """Continue from the latest checkpoint when asked to, or after a torchrun restart."""
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        latest = self.ckpts.latest()
-        if latest is None or not (self.cfg.checkpoint.resume or restarted):
+        """Continue from the newest checkpoint that verifies, when asked to or after a
+        torchrun restart; a corrupt newer one is skipped and logged (a crash loop under
+        ``--max-restarts`` otherwise). CheckpointError if there are checkpoints and none
+        loads (e.g. another model size); model and optimizer are then as built."""
+        if not preflight.resuming(self.cfg):
             return
-        extra = ckpt.load(latest, self.model, self.opt)
-        self.step = extra["step"]
-        self.data.train.load_state_dict(extra["data"])
-        _set_rng_state(extra["rng"])
-        if self.rank == 0:
-            print(f"resumed from {latest} at step {self.step}", flush=True)
+        failures = []
+        for step in reversed(self.ckpts.steps()):
+            path = self.ckpts.path(step)
+            try:
+                extra = ckpt.load(path, self.model, self.opt)  # collective: all ranks fail together
+                step, data_state, rng = int(extra["step"]), extra["data"], extra["rng"]
+                self.data.train.load_state_dict(data_state)
+                _set_rng_state(rng)
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # (CheckpointError too)
+                failures.append(f"{path}: {exc!r}" if isinstance(exc, KeyError) else f"{exc}")
+                if self.rank == 0:
+                    print(f"checkpoint {path} does not verify, trying an older one: {failures[-1]}", flush=True)
+                continue
+            self.step = step
+            if self.rank == 0:
+                print(f"resumed from {path} at step {self.step}", flush=True)
+            return
+        if failures:
+            raise ckpt.CheckpointError(f"no checkpoint in {self.ckpts.folder} loads into this run; the newest "
+                                       f"says: {failures[0]}")
 
     def save(self) -> None:
         extra = {"step": self.step, "data": self.data.train.state_dict(), "rng": _rng_state(),

@@ -50,6 +50,7 @@ class WandbWriter:
         except ImportError as exc:
             raise ImportError(f"metrics.wandb = {mode!r} needs the wandb package: pip install wandb "
                               f"(or set metrics.wandb = \"off\")") from exc
+        run_dir.mkdir(parents=True, exist_ok=True)  # W&B writes RUN/wandb/ and wants the parent
         self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config)
 
     def write(self, record: dict[str, Any]) -> None:

@@ -137,3 +137,37 @@ def job_resume(path: str, mesh_key: str) -> dict:
     extra = ckpt.load(path, model, opt)
     state = ckpt.get_model_state_dict(model)
     return {"extra": extra, "state": state, "continued": _steps(model, opt, mesh_key, range(3, 5))}
+
+
+# -- faults (issue 12) ----------------------------------------------------------------------
+SMALL = {"vocab": 7, "dims": [5, 9, 3], "biases": [True, False], "seed": 0}
+
+
+def job_mixed_checkpoints(root: str) -> dict:
+    """Ranks 0-1 read one checkpoint, ranks 2-3 another (as if PATH were replaced between
+    their reads): every rank must refuse, with the model unchanged."""
+    import torch.distributed as dist
+
+    from .pool import capture_error
+
+    a, b = f"{root}/a", f"{root}/b"
+    ckpt.save(a, build_stack(SMALL, seed=0))
+    ckpt.save(b, build_stack(SMALL, seed=1))
+    model = build_stack(SMALL, seed=2)
+    before = [p.clone() for p in model.parameters()]
+    error = capture_error(lambda: ckpt.load(a if dist.get_rank() < 2 else b, model))
+    return {"error": error, "unchanged": all(torch.equal(x, y) for x, y in zip(before, model.parameters()))}
+
+
+def job_one_rank_bad_extra(root: str) -> dict:
+    """Rank 0 alone passes an extra that is not JSON: every rank raises at once."""
+    import time
+
+    import torch.distributed as dist
+
+    from .pool import capture_error
+
+    extra = {"step": object()} if dist.get_rank() == 0 else {"step": 1}
+    t0 = time.monotonic()
+    error = capture_error(lambda: ckpt.save(f"{root}/c", build_stack(SMALL, seed=0), extra=extra))
+    return {"error": error, "seconds": time.monotonic() - t0}

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp2d
+from fsdp2d._dtensor import local_of
 from fsdp2d.bridge import gather_full
 from fsdp2d.models import GPT2, GPT2Args, Llama, LlamaArgs, gpt2_tp_plan, llama_tp_plan
 
@@ -44,15 +45,19 @@ class Setup:
     microbatches: int = 1         # gradient accumulation
     param_dtype: torch.dtype | None = None
     check_grads: bool = False
+    tied: bool = False            # GPT-2 only: lm_head.weight is wte.weight
 
 
-def build(kind: str) -> torch.nn.Module:
+def build(kind: str, tied: bool = False) -> torch.nn.Module:
     torch.manual_seed(1234)
     if kind == "llama":
         # Uneven on purpose: ffn hidden 40 and vocab 96 split unevenly over dp x tp.
         return Llama(LlamaArgs(dim=32, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=VOCAB,
                                multiple_of=8, max_seq_len=SEQ))
-    return GPT2(GPT2Args(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, block_size=SEQ))
+    model = GPT2(GPT2Args(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, block_size=SEQ))
+    if tied:  # GPT-2's default: the LM head is the token embedding
+        model.lm_head.weight = model.wte.weight
+    return model
 
 
 def plan_for(kind: str, s: Setup) -> dict:
@@ -119,9 +124,9 @@ def full_tensors(model: torch.nn.Module, mesh, which: str) -> dict[str, torch.Te
     out = {}
     for fqn, p in model.named_parameters():
         t = p.detach() if which == "param" else p.grad
-        t = torch.zeros_like(p) if t is None else t.float()
+        t = torch.zeros_like(local_of(p)) if t is None else local_of(t).float()
         lay = layouts.get(fqn)
-        out[fqn] = t if lay is None else gather_full(t.contiguous(), lay, mesh[tuple(lay.axis_names)])
+        out[fqn] = t if lay is None else gather_full(t.contiguous(), lay, mesh)
     return out
 
 
@@ -146,7 +151,7 @@ def grad_error(model, mesh, x, y, s: Setup) -> dict[str, float]:
       so its own norm is the wrong yardstick. A real fault (a missing or doubled
       reduction) is an error as large as the tensor's gradient and shows up either way.
     """
-    probe = build(s.model)
+    probe = build(s.model, s.tied)
     with torch.no_grad():
         weights = full_tensors(model, mesh, "param")
         for fqn, p in probe.named_parameters():
@@ -163,7 +168,7 @@ def grad_error(model, mesh, x, y, s: Setup) -> dict[str, float]:
 
 def run(s: Setup) -> dict:
     torch.set_num_threads(1)
-    ref = build(s.model)
+    ref = build(s.model, s.tied)
     model = copy.deepcopy(ref)
     mesh, _ = parallelize(model, s)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=EPS)
@@ -198,4 +203,6 @@ def run(s: Setup) -> dict:
     worst["param_abs"] = max(v for n, v in errs.items() if not n.endswith(ZERO_GRAD))
     worst["param_abs_zero_grad"] = max((v for n, v in errs.items() if n.endswith(ZERO_GRAD)), default=0.0)
     worst["losses"] = losses
+    if s.tied:
+        worst["tied"] = model.lm_head.weight is model.wte.weight
     return worst

@@ -344,3 +344,37 @@ def test_wildcard_plan_trains_like_reference(pool):
         for got, want in r["losses"]:
             assert abs(got - want) / abs(want) < 1e-6, (rank, r["losses"])
         assert r["losses"][1][1] < r["losses"][0][1] - 1e-3  # the step did something
+
+
+def _stale_optimizer_errors():
+    """An optimizer built before parallelize_module / fully_shard holds tensors the model
+    no longer uses: its first step raises, naming one, instead of training nothing."""
+    import torch
+
+    import fsdp2d
+    from . import _parity as P
+
+    mesh = get_mesh((2, 2), ("dp", "tp"))
+    out = {}
+    for when in ("before parallelize_module", "before fully_shard"):
+        model = _llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if when.endswith("module") else None
+        fsdp2d.parallelize_module(model, mesh["tp"], P.llama_tp_plan())
+        opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for block in model.layers:
+            fsdp2d.fully_shard(block, mesh=mesh["dp"])
+        fsdp2d.fully_shard(model, mesh=mesh["dp"])
+        x = torch.randint(0, 96, (2, 8))
+        model(x).sum().backward()
+        out[when] = _error(opt.step)
+    good = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built after: steps
+    out["after"] = _error(good.step)
+    return out
+
+
+def test_optimizer_built_before_sharding_raises_at_first_step(pool):
+    for r in pool.run(_stale_optimizer_errors):
+        assert r["after"] is None, r["after"]
+        _check(r["before parallelize_module"], "RuntimeError", "tok_embeddings.weight",
+               "parallelize_module", "train nothing", "after parallelize_module and fully_shard")
+        _check(r["before fully_shard"], "RuntimeError", "replaced by fully_shard", "train nothing")

@@ -66,24 +66,26 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
     path = tmp_path / "c"
     code = _script(f"""
         import os, time
-        import fsdp2d.checkpoint._io as io
+        import fsdp2d.checkpoint._commit as commit
         model = build_stack(SPEC, seed=0)
         ckpt.save({str(path)!r}, model)
         print("first saved", flush=True)
-        real = io._write_file
-        def slow(p, data):
-            real(p, data); print("writing", flush=True); time.sleep(60)
-        io._write_file = slow
+        def slow(phase):
+            if phase == "shards":
+                print("writing", flush=True); time.sleep(60)
+        commit.phase = slow
         model2 = build_stack(SPEC, seed=1)
         ckpt.save({str(path)!r}, model2)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    killed = False
     for line in proc.stdout:
         if line.strip() == "writing":
             proc.kill()
+            killed = True
             break
     proc.wait(timeout=60)
-    assert proc.returncode != 0
+    assert killed and proc.returncode != 0
     check = _script(f"""
         model = build_stack(SPEC, seed=5)
         ckpt.load({str(path)!r}, model)

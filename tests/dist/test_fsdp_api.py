@@ -29,6 +29,13 @@ TP_LOCAL, SHARD = (16, 32), (8, 32)
 GRAD_TOL = 1e-5
 
 
+def _lshape(t) -> tuple:
+    """The local shape of a parameter (DTensors at rest: their shard)."""
+    from fsdp2d._dtensor import local_of
+
+    return tuple(local_of(t).shape)
+
+
 def _setup(mp=None):
     """(mesh, reference, parallel model), the model TP + FSDP on 2x2."""
     import fsdp2d
@@ -98,7 +105,7 @@ def _summon_job():
     xs, ys, x, y = _batch()
     out = {}
     with fsdp2d.summon_full_params(model):
-        out["shapes"] = {fqn: (tuple(model.get_parameter(fqn).shape), tuple(v.shape))
+        out["shapes"] = {fqn: (_lshape(model.get_parameter(fqn)), tuple(v.shape))
                          for fqn, v in expected.items()}
         out["values"] = all(model.get_parameter(fqn).equal(v) for fqn, v in expected.items())
         with torch.no_grad():  # edits: a TP-sharded block weight and a root (norm) weight
@@ -107,7 +114,7 @@ def _summon_job():
     with torch.no_grad():
         ref.get_parameter(WQ).add_(1.0)
         ref.norm.weight.mul_(3.0)
-    out["shape_after"] = tuple(model.get_parameter(WQ).shape)
+    out["shape_after"] = _lshape(model.get_parameter(WQ))
     full = P.full_tensors(model, mesh, "param")
     out["written_back"] = all(full[n].equal(p.detach()) for n, p in ref.named_parameters())
     out["next_step"] = _step_errors(model, ref, mesh, xs, ys, x, y)  # the edits are used
@@ -121,8 +128,8 @@ def _summon_job():
 
     # the method on one block unshards only that block
     with model.layers[1].summon_full_params():
-        out["block_only"] = (tuple(model.get_parameter("layers.1.attention.wq.weight").shape),
-                             tuple(model.get_parameter(WQ).shape))
+        out["block_only"] = (_lshape(model.get_parameter("layers.1.attention.wq.weight")),
+                             _lshape(model.get_parameter(WQ)))
     out["step_after_block"] = _step_errors(model, ref, mesh, xs, ys, x, y)
     return out
 
@@ -167,36 +174,36 @@ def _unshard_job():
     expected = _tp_local(model, ref)
     block0, block1 = model.layers[0], model.layers[1]
     sharded = block0.attention.wq.weight
-    out = {"at_rest": tuple(sharded.shape)}
+    out = {"at_rest": _lshape(sharded)}
     out["unshard_none"] = block0.unshard() is None
-    out["unsharded"] = tuple(block0.attention.wq.weight.shape)
+    out["unsharded"] = _lshape(block0.attention.wq.weight)
     out["unsharded_values"] = block0.attention.wq.weight.equal(expected[WQ])
     block0.reshard()
-    out["resharded"] = tuple(block0.attention.wq.weight.shape)
+    out["resharded"] = _lshape(block0.attention.wq.weight)
     out["same_object"] = block0.attention.wq.weight is sharded  # what the optimizer holds
     handle = block1.unshard(async_op=True)
     out["handle"] = type(handle).__name__
     handle.wait()
-    out["async_unsharded"] = tuple(block1.attention.wq.weight.shape)
+    out["async_unsharded"] = _lshape(block1.attention.wq.weight)
     out["async_values"] = block1.attention.wq.weight.equal(expected["layers.1.attention.wq.weight"])
     block1.reshard()
-    out["async_resharded"] = tuple(block1.attention.wq.weight.shape)
+    out["async_resharded"] = _lshape(block1.attention.wq.weight)
 
     xs, ys, x, y = _batch()
     # default: blocks reshard after forward, the root keeps its parameters
     loss = F.cross_entropy(model(xs).flatten(0, 1), ys.flatten())
-    out["default_after_forward"] = (tuple(block0.attention.wq.weight.shape), tuple(model.output.weight.shape))
+    out["default_after_forward"] = (_lshape(block0.attention.wq.weight), _lshape(model.output.weight))
     loss.backward()
-    out["default_after_backward"] = (tuple(block0.attention.wq.weight.shape), tuple(model.output.weight.shape))
+    out["default_after_backward"] = (_lshape(block0.attention.wq.weight), _lshape(model.output.weight))
     gathers = block0._fsdp2d_fsdp.group.counts["all_gather"]
     grads_default = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
     model.set_reshard_after_forward(False)
     loss = F.cross_entropy(model(xs).flatten(0, 1), ys.flatten())
-    out["kept_after_forward"] = [tuple(b.attention.wq.weight.shape) for b in model.layers]
+    out["kept_after_forward"] = [_lshape(b.attention.wq.weight) for b in model.layers]
     loss.backward()
-    out["kept_after_backward"] = tuple(block0.attention.wq.weight.shape)
+    out["kept_after_backward"] = _lshape(block0.attention.wq.weight)
     # no second all-gather in backward
     out["gathers"] = (gathers, block0._fsdp2d_fsdp.group.counts["all_gather"] - gathers)
     out["same_grads"] = all(p.grad.equal(grads_default[n]) for n, p in model.named_parameters())
@@ -232,11 +239,11 @@ def _accum_job(reshard_after_backward):
             return {"error": f"microbatch {m}: {str(e)[:200]}"}
         if not last:  # no reduce-scatter yet: no sharded gradient anywhere
             out["grads_before_sync"].append(sum(fp.sharded.grad is not None for _, fp in fsdp2d.fsdp_params(model)))
-            out["kept"].append(tuple(model.layers[1].attention.wq.weight.shape))
+            out["kept"].append(_lshape(model.layers[1].attention.wq.weight))
     grads = dict(model.named_parameters())
     out["vs_whole"] = max(_rel(grads[n].grad, p.grad) for n, p in whole.named_parameters())
     out["vs_ref"] = _grad_errs(model, ref, mesh)
-    out["shape_at_end"] = tuple(model.get_parameter(WQ).shape)
+    out["shape_at_end"] = _lshape(model.get_parameter(WQ))
     out["fsdp"] = isinstance(model, fsdp2d.FSDPModule)
     return out
 
@@ -311,7 +318,7 @@ def _meta_job():
     torch.manual_seed(0)
     model.init_weights()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out["shapes"] = (tuple(model.get_parameter(WQ).shape), tuple(model.norm.weight.shape))
+    out["shapes"] = (_lshape(model.get_parameter(WQ)), _lshape(model.norm.weight))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=P.EPS)
     xs, ys, _, _ = _batch()
     out["losses"], out["no_grad"], out["nonfinite"] = [], [], []
@@ -344,7 +351,7 @@ def _eval_job():
     model.eval(), ref.eval()
     with torch.no_grad():
         out = {"no_grad": _rel(model(x), ref(x))}
-    out["block_shape"] = tuple(model.get_parameter(WQ).shape)
+    out["block_shape"] = _lshape(model.get_parameter(WQ))
     return out
 
 

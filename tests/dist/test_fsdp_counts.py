@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fsdp2d
+from fsdp2d._dtensor import local_of
 from fsdp2d.debug import CollectiveCounter
 from fsdp2d.models import Llama, LlamaArgs, llama_tp_plan
 
@@ -78,11 +79,12 @@ def job_memory():
     F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
     opt.step()
     nbytes = 0
+    L = local_of  # at rest parameters, gradients and AdamW state are DTensors: count their shards
     for p in model.parameters():
-        nbytes += p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size()
+        nbytes += L(p).numel() * p.element_size() + L(p.grad).numel() * p.grad.element_size()
         state = opt.state[p]
-        nbytes += sum(state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
-    local = sum(p.numel() for p in model.parameters())
+        nbytes += sum(L(state[k]).numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
+    local = sum(L(p).numel() for p in model.parameters())
     groups = [m._fsdp2d_fsdp.group for m in model.modules() if isinstance(m, fsdp2d.FSDPModule)]
     padding = sum(g.total for g in groups) - local
     dp, tp = mesh.size("dp"), mesh.size("tp")

@@ -49,3 +49,16 @@ def test_bf16_params_fp32_reduce(pool):
     for rank, r in enumerate(pool.run(P.run, setup)):
         assert r["loss"] < 2e-2, f"rank {rank}: loss rel error {r['loss']:.2e}; losses {r['losses']}"
         assert r["param_abs"] < 5e-2, f"rank {rank}: param abs error {r['param_abs']:.2e}"
+
+
+@pytest.mark.parametrize("mesh,names", [((2, 2), ("dp", "tp")), ((4,), ("dp",))], ids=["2x2", "dp4"])
+def test_tied_embedding_and_head(pool, mesh, names):
+    """GPT-2 with ``lm_head.weight is wte.weight``: TP shards the tensor once (both styles
+    give it Shard(0) over the vocab), fully_shard on the root owns it once, both modules
+    compute with the same unsharded tensor and its gradient sums both uses. Same
+    tolerances as above, over 5 AdamW steps; the tie still holds at the end."""
+    setup = P.Setup(model="gpt2", mesh=mesh, names=names, steps=5, tied=True)
+    for rank, r in enumerate(pool.run(P.run, setup)):
+        assert r["tied"], f"rank {rank}: lm_head.weight is no longer wte.weight"
+        assert r["loss"] < LOSS_TOL, f"rank {rank}: loss rel error {r['loss']:.2e}; losses {r['losses']}"
+        assert r["param_abs"] < PARAM_TOL, f"rank {rank}: final parameter abs error {r['param_abs']:.2e}"

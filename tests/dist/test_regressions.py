@@ -311,3 +311,29 @@ def test_fused_optimizer_and_recovery_during_accumulation(pool):
     for r in pool.run(job_fused_and_recover):
         assert r["fused"] < 1e-6, r
         assert r["fp32"] < 1e-5 and r["mp"] < 1e-5, r
+
+
+def job_meta_init_with_empty_shards() -> dict:
+    """dp=4, layers of 3 and 2 rows: rank 3 holds no row of any parameter. to_empty()
+    swaps each DTensor parameter's contents in place, and an empty shard has data pointer
+    0 on meta and on the CPU alike: the group must still notice and leave the meta device."""
+    from fsdp2d._dtensor import local_of
+
+    torch.set_num_threads(1)
+    mesh = get_mesh((4,), ("dp",))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    for layer in model:
+        fsdp2d.fully_shard(layer, mesh=mesh)
+    fsdp2d.fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            local_of(p).fill_(0.5)
+    out = model(torch.ones(2, 3))  # each of 3 inputs x 0.5 + 0.5 = 2.0, then 3 x 2.0 x 0.5 + 0.5
+    return {"out": out.tolist(), "devices": sorted({local_of(p).device.type for p in model.parameters()})}
+
+
+def test_meta_init_when_a_rank_holds_nothing(pool):
+    for r in pool.run(job_meta_init_with_empty_shards):
+        assert r == {"out": [[3.5, 3.5], [3.5, 3.5]], "devices": ["cpu"]}, r

@@ -34,10 +34,8 @@ def llama():
 
 
 def test_style_constructors_reject_bad_layouts():
-    with pytest.raises(ValueError, match=r"ColwiseParallel output_layouts .*Shard\(0\)"):
-        ColwiseParallel(output_layouts=Shard(0))
-    with pytest.raises(ValueError, match=r"RowwiseParallel output_layouts .*Partial"):
-        RowwiseParallel(output_layouts=Partial())
+    with pytest.raises(ValueError, match=r"ColwiseParallel output_layouts .*Partial.*never partial"):
+        ColwiseParallel(output_layouts=Partial())
     with pytest.raises(ValueError, match="expected one layout"):
         ColwiseParallel(input_layouts=(Shard(1), Replicate()))
     with pytest.raises(ValueError, match="same length"):
@@ -48,7 +46,9 @@ def test_style_constructors_reject_bad_layouts():
         PrepareModuleOutput(output_layouts=(Replicate(), Replicate()), desired_output_layouts=Shard(0))
     # the valid forms construct
     ColwiseParallel(input_layouts=[Shard(1)], output_layouts=Replicate())
+    ColwiseParallel(output_layouts=Shard(1))  # torch accepts these (gather, then split)
     RowwiseParallel(output_layouts=Shard(1))
+    RowwiseParallel(output_layouts=Partial())  # torch: the summands, no reduction
 
 
 def test_validate_names_module_and_type():
@@ -93,3 +93,18 @@ def test_parallelize_module_without_mesh(llama):
         parallelize_module(llama, None, {"output": ColwiseParallel()})
     assert all(before[n].equal(p) for n, p in llama.named_parameters())
     assert not any("_fsdp2d_tp" in m.__dict__ for m in llama.modules())
+
+
+def test_tied_parameters_need_one_placement_and_every_holder_planned():
+    """Sharding a tied tensor for one module only, or two ways, would untie it silently
+    (torch does, and trains a different model): rejected before anything changes."""
+    from fsdp2d.tensor_parallel.api import _check_ties
+
+    m = nn.Module()
+    m.emb, m.head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    m.head.weight = m.emb.weight
+    _check_ties(m, _resolve(m, {"emb": RowwiseParallel(), "head": ColwiseParallel()}))  # both Shard(0)
+    with pytest.raises(ValueError, match=r"head\.weight is the same tensor as emb\.weight .*Shard\(0\) and Shard\(1\)"):
+        _check_ties(m, _resolve(m, {"emb": ColwiseParallel(), "head": ColwiseParallel()}))
+    with pytest.raises(ValueError, match=r"head\.weight is the same tensor as emb\.weight .*not in the plan"):
+        _check_ties(m, _resolve(m, {"emb": RowwiseParallel()}))

@@ -1,0 +1,98 @@
+"""What a job must pass before anything on disk changes or step 1 runs.
+
+The launcher runs the cheap checks (config file, device, run folder) in the parent
+process, so a mistake costs one line and exit code 2 instead of a torchrun start-up;
+the workers run them again (a job started by torchrun directly has no parent) together
+with the checks that need the data, and agree on the outcome collectively, so every
+rank stops together, before any rank writes. What is checked:
+
+* ``parallel.device=cuda`` needs CUDA;
+* a run without resume refuses a run folder that holds an earlier run (its rotation
+  would sort both runs' checkpoints by step and delete the new one): ``--resume``, a
+  new ``metrics.run_name``, or ``--overwrite`` (which deletes the earlier run's config,
+  metrics and checkpoints, and nothing else);
+* the data: the path exists, the train split holds one global micro-batch, and so does
+  the eval split when the run evaluates.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, JobConfig
+from .data import TrainData, resolve_data_path
+
+_STEP = re.compile(r"step_\d+")
+
+
+def check_device(cfg: JobConfig) -> None:
+    if cfg.parallel.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"parallel.device=cuda but this machine has no usable CUDA device (torch "
+                          f"{torch.__version__}): run on a GPU machine or set parallel.device=cpu")
+
+
+def resuming(cfg: JobConfig) -> bool:
+    """``--resume``, or a torchrun restart (which continues the run it restarts)."""
+    return cfg.checkpoint.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def _earlier_run(cfg: JobConfig) -> list[str]:
+    found = [n for n in ("config.toml", "metrics.jsonl") if (cfg.run_dir / n).exists()]
+    folder = cfg.checkpoint_dir
+    steps = sorted(p.name for p in folder.iterdir() if _STEP.fullmatch(p.name)) if folder.is_dir() else []
+    if steps:
+        found.append(f"{len(steps)} checkpoint(s) in {folder}")
+    return found
+
+
+def check_run_folder(cfg: JobConfig) -> None:
+    if resuming(cfg) or cfg.checkpoint.overwrite:
+        return
+    found = _earlier_run(cfg)
+    if found:
+        raise ConfigError(f"{cfg.run_dir} holds an earlier run ({', '.join(found)}): continue it with --resume, "
+                          f"start a new one with --metrics.run_name=NAME, or replace it with --overwrite")
+
+
+def clear_earlier_run(cfg: JobConfig) -> None:
+    """(``--overwrite``, rank 0.) Delete the earlier run's files that fsdp2d writes."""
+    from fsdp2d.checkpoint import CheckpointManager
+
+    for name in ("config.toml", "metrics.jsonl"):
+        (cfg.run_dir / name).unlink(missing_ok=True)
+    manager = CheckpointManager(cfg.checkpoint_dir)
+    for step in manager.steps():
+        manager.remove(step)
+
+
+def check_data_path(cfg: JobConfig) -> None:
+    try:
+        resolve_data_path(cfg.data.path)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_data(cfg: JobConfig, data: TrainData) -> None:
+    """Everything the data implies that would otherwise surface mid-run."""
+    t = cfg.training
+    if t.eval_every and t.eval_every <= t.steps:
+        try:
+            data.eval_batches()
+        except ValueError as exc:
+            raise ConfigError(f"the eval split (data.eval_fraction={cfg.data.eval_fraction}) is too small: "
+                              f"{exc}") from None
+
+
+def agree(error: str) -> None:
+    """Collective: raise ConfigError on every rank if any rank's ``error`` is not empty."""
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    errors = [e for e in errors if e]
+    if errors:
+        raise ConfigError(errors[0])

@@ -1,0 +1,73 @@
+"""The launcher's parent process: mistakes are one line on stderr and exit code 2, found
+before torchrun starts and before anything is written (issue 12, items 11 and 13)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp2d.train import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "debug_cpu.toml")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """No worker is ever started: the command torchrun would get is recorded instead."""
+    calls = []
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    return calls
+
+
+def _one_line_error(capsys, code: int, *needles: str) -> str:
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def test_config_flag_without_a_value(launches, capsys):
+    _one_line_error(capsys, cli.train(["--config"]), "--config needs a file")
+    _one_line_error(capsys, cli.train(["--config", "--resume"]), "--config needs a file")
+    assert not launches
+
+
+def test_missing_config_file(launches, capsys, tmp_path):
+    _one_line_error(capsys, cli.train(["--config", str(tmp_path / "nope.toml")]), "nope.toml does not exist")
+    _one_line_error(capsys, cli.train(["--config", str(tmp_path)]), "cannot read config file")
+    assert not launches
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda(launches, capsys, tmp_path):
+    code = cli.train(["--config", CONFIG, "--parallel.device=cuda", f"--metrics.runs_dir={tmp_path}"])
+    _one_line_error(capsys, code, "parallel.device=cuda", "no usable CUDA")
+    assert not launches and not any(tmp_path.iterdir())
+
+
+def test_fresh_run_refuses_an_earlier_runs_folder(launches, capsys, tmp_path):
+    """An earlier run's folder: a fresh run would rotate its own new checkpoint away (the
+    earlier one has a higher step). Refused, naming the ways out; nothing deleted."""
+    run = tmp_path / "job"
+    (run / "checkpoints" / "step_00000300").mkdir(parents=True)
+    (run / "config.toml").write_text("[training]\nsteps = 300\n")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    args = ["--config", CONFIG, f"--metrics.runs_dir={tmp_path}", "--metrics.run_name=job"]
+    _one_line_error(capsys, cli.train(args), "holds an earlier run", "--resume", "--metrics.run_name",
+                    "--overwrite")
+    assert not launches
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert cli.train([*args, "--resume"]) == 0 and cli.train([*args, "--overwrite"]) == 0
+    assert len(launches) == 2 and cli.train([*args[:2], f"--metrics.runs_dir={tmp_path}",
+                                             "--metrics.run_name=other"]) == 0
+
+
+def test_missing_data_path(launches, capsys, tmp_path):
+    code = cli.train(["--config", CONFIG, f"--data.path={tmp_path / 'none'}", f"--metrics.runs_dir={tmp_path}"])
+    _one_line_error(capsys, code, "does not exist")
