@@ -28,7 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from .mesh import DeviceMesh
 from .placement import Layout, Partial, Placement, Shard
 
-__all__ = ["spec_of", "as_dtensor", "local_of", "is_dtensor", "layout_of"]
+__all__ = ["spec_of", "as_dtensor", "local_of", "is_dtensor", "layout_of", "install_load_hook", "install_rest_hooks"]
 
 
 def _torch_placement(p: Placement):
@@ -102,9 +102,23 @@ def install_load_hook(module: torch.nn.Module) -> None:
         module.__dict__["_fsdp2d_load_hook"] = True
 
 
+def install_rest_hooks(module: torch.nn.Module, to_rest) -> None:
+    """Make ``module.state_dict()`` and ``load_state_dict()`` call ``to_rest()`` first:
+    FSDP modules hold plain unsharded parameters between a forward and its backward, and
+    both must see (and fill) the DTensor shards, never those transient copies."""
+    module.__dict__["_fsdp2d_to_rest"] = to_rest
+    if not module.__dict__.get("_fsdp2d_rest_hook", False):
+        module.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: mod._fsdp2d_to_rest())
+        module.__dict__["_fsdp2d_rest_hook"] = True
+    install_load_hook(module)
+
+
 def _full_to_dtensor(module: torch.nn.Module, state_dict: dict, prefix: str, *args) -> None:
     # load_state_dict hands each module a shallow copy of the caller's dict: replacing a
     # value here leaves the caller's dict alone.
+    to_rest = module.__dict__.get("_fsdp2d_to_rest")
+    if to_rest is not None:
+        to_rest()
     for name, p in module._parameters.items():
         value = state_dict.get(prefix + name)
         if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _collectives as C
-from .._dtensor import as_dtensor, install_load_hook, local_of
+from .._dtensor import as_dtensor, install_rest_hooks, local_of
 from .._stale import mark_replaced
 from ._param import FSDPParam
 
@@ -107,7 +107,7 @@ class FSDPParamGroup:
         self._gathered_versions: tuple = ()  # _shard_versions() at the last gather
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
-        self._ones: torch.Tensor | None = None  # has-gradient flags when all are present
+        self._flags: tuple | None = None  # (key, has-gradient flags) when every trainable one is present
         self.compute_device = params[0].sharded.device if params else torch.device("cpu")
         self._build_flat(self.compute_device)
 
@@ -152,7 +152,7 @@ class FSDPParamGroup:
             p.expected_local = view
             p.register("sharded")
             for owner, _ in [(p.module, p.name), *p.aliases]:
-                install_load_hook(owner)
+                install_rest_hooks(owner, self.reshard)
             p.make_unsharded(self.param_dtype, device)
         self._sync_requires_grad()
         self.compute_device = device
@@ -290,7 +290,7 @@ class FSDPParamGroup:
             grads.append(g)
             p.unsharded.grad = None
         buf = self._pack_grads(grads)
-        all_had = all(g is not None for g in grads)
+        all_had = self._every_trainable_had(grads)
         self.counts["reduce_scatter"] += 1
         if self.k == 1:
             self._reduce = (None, buf.view(-1), all_had)
@@ -307,10 +307,11 @@ class FSDPParamGroup:
         after the reduce-scatter every rank knows how many ranks had one (a collective
         decision, so a parameter used on some ranks only still updates everywhere)."""
         n, k, dtype = len(self.params), self.k, self.reduce_dtype
-        if all(g is not None for g in grads):  # the usual case: a cached device tensor, no host-to-device copy
-            if self._ones is None or self._ones.dtype != dtype or self._ones.device != self.compute_device:
-                self._ones = torch.ones(n, dtype=dtype, device=self.compute_device)
-            flags = self._ones
+        if self._every_trainable_had(grads):  # the usual case: a cached device tensor, no host-to-device copy
+            key = (dtype, self.compute_device, tuple(p.requires_grad for p in self.params))
+            if self._flags is None or self._flags[0] != key:  # 1 per trainable, 0 per frozen parameter
+                self._flags = (key, torch.tensor([float(r) for r in key[2]], dtype=dtype, device=self.compute_device))
+            flags = self._flags[1]
         else:
             flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=self.compute_device)
         grads = [torch.zeros(p.unsharded_shape, dtype=dtype, device=self.compute_device) if g is None
@@ -320,6 +321,11 @@ class FSDPParamGroup:
         # to padded_rows), rank-major: one op, even or not, at any k.
         torch._chunk_cat([*grads, flags.expand(k, n)], dim=0, num_chunks=k, out=buf)
         return buf
+
+    def _every_trainable_had(self, grads: list[torch.Tensor | None]) -> bool:
+        """Whether this rank has a gradient for every parameter that requires one (frozen
+        parameters never have one, on any rank: no flags need reading for them)."""
+        return all(g is not None for p, g in zip(self.params, grads) if p.requires_grad)
 
     def finish_reduce(self, assign: bool = True) -> None:
         """Wait for the reduce-scatter and accumulate into the sharded ``.grad``s of the
@@ -334,10 +340,11 @@ class FSDPParamGroup:
             return
         out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
         out = out.div_(self.dp_size)
-        # Where this rank had every gradient, every parameter gets one: no need to read the
-        # flags (no host sync in a normal step). Otherwise the flags say which parameters
-        # some rank had a gradient for (all ranks agree); the others keep .grad None, as in torch.
-        had_grad = [1.0] * len(self.params) if all_had else out[self.total:].tolist()
+        # Where this rank had every trainable gradient, every trainable parameter gets one:
+        # no need to read the flags (no host sync in a normal step, frozen parameters or
+        # not). Otherwise the flags say which parameters some rank had a gradient for (all
+        # ranks agree); the others keep .grad None, as in torch.
+        had_grad = [float(p.requires_grad) for p in self.params] if all_had else out[self.total:].tolist()
         for p, flag in zip(self.params, had_grad):
             if flag <= 0:
                 continue

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .._dtensor import spec_of
+from .._stale import mark_transient
 from ..bridge._layout import fsdp_layout
 from ..mesh import DeviceMesh
 from ..placement import Layout, Replicate, chunk_range
@@ -109,6 +110,7 @@ class FSDPParam:
         padded = torch.empty(self.num_shards * self.segment_numel, dtype=dtype, device=device)
         rows = padded[:self.unsharded_shape[0] * self.row_numel].view(self.unsharded_shape)
         self.unsharded = nn.Parameter(rows, requires_grad=self.requires_grad)
+        mark_transient(self.unsharded, self.fqn)
         # .data: the same storage with its own version counter, so refilling what autograd
         # saved (a re-gather before backward) is not an in-place modification error
         self.padded = padded.data

@@ -26,13 +26,15 @@ from . import _functions as T
 __all__ = ["redistribute", "local_input", "as_output"]
 
 
-def redistribute(x: Any, src: Placement | None, dst: Placement | None, group: C.Group) -> Any:
+def redistribute(x: Any, src: Placement | None, dst: Placement | None, group: C.Group,
+                 global_size: int | None = None) -> Any:
     """Move local activation ``x`` from layout ``src`` to ``dst`` on the TP group.
 
     ``None`` on either side (or a non-tensor ``x``) leaves ``x`` alone. Supported moves:
     Shard->Replicate (all-gather), Replicate->Shard (split), Partial->Replicate
     (all-reduce), Partial->Shard (reduce-scatter), Shard(a)->Shard(b) (all-gather a,
-    split b), and no-op moves; anything else raises.
+    split b), and no-op moves; anything else raises. ``global_size``: the whole size of
+    a ``Shard`` source's dim when known (uneven pieces); otherwise pieces are even.
     """
     if src is None or dst is None or not isinstance(x, torch.Tensor) or src == dst:
         return x
@@ -50,9 +52,10 @@ def redistribute(x: Any, src: Placement | None, dst: Placement | None, group: C.
     if isinstance(src, Shard) and isinstance(dst, Shard):
         if dim(src) == dim(dst):
             return x
-        return T.scatter_to_tp(T.gather_cached(x, dim(src), group=group), dim(dst), group=group)
+        gathered = T.gather_cached(x, dim(src), group=group, global_size=global_size)
+        return T.scatter_to_tp(gathered, dim(dst), group=group)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return T.gather_cached(x, dim(src), group=group)
+        return T.gather_cached(x, dim(src), group=group, global_size=global_size)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         return T.scatter_to_tp(x, dim(dst), group=group)
     if isinstance(src, Partial) and isinstance(dst, Replicate):
@@ -75,19 +78,22 @@ def _version(x: torch.Tensor) -> int:
     return -1 if x.is_inference() else x._version
 
 
-def local_input(x: Any, declared: Placement | None, where: str) -> tuple[Any, Placement | None]:
-    """(local tensor, its placement) of a style's input: a plain tensor has the declared
-    layout; a DTensor brings its own (its local view is cached on it, so layers that read
-    one DTensor share one local tensor, and one backward reduction, see ``tp_input``)."""
+def local_input(x: Any, declared: Placement | None, where: str) -> tuple[Any, Placement | None, int | None]:
+    """(local tensor, its placement, the global size of its sharded dim or None) of a
+    style's input: a plain tensor has the declared layout (even pieces); a DTensor brings
+    its own placement and global shape (its local view is cached on it, so layers that
+    read one DTensor share one local tensor, and one backward reduction, see ``tp_input``)."""
     if not isinstance(x, DTensor):
-        return x, declared
+        return x, declared, None
     key = (torch.is_grad_enabled(), x.requires_grad, _version(x))
     entry = getattr(x, "_fsdp2d_local", None)
     if entry is None or entry[0] != key:
         local = x.to_local() if key[0] and key[1] else x._local_tensor
         entry = (key, local)
         x._fsdp2d_local = entry
-    return entry[1], _placement_of(x, where)
+    placement = _placement_of(x, where)
+    size = x.shape[placement.dim % x.ndim] if isinstance(placement, Shard) else None
+    return entry[1], placement, size
 
 
 def as_output(y: Any, placement: Placement, mesh: DeviceMesh, use_local_output: bool,

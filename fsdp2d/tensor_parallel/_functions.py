@@ -184,16 +184,16 @@ def tp_input(x: torch.Tensor, *, group: Group) -> torch.Tensor:
     return out
 
 
-def gather_cached(x: torch.Tensor, dim: int, *, group: Group) -> torch.Tensor:
+def gather_cached(x: torch.Tensor, dim: int, *, group: Group, global_size: int | None = None) -> torch.Tensor:
     """``gather_from_tp`` shared by every consumer of ``x`` (one all-gather for q/k/v
-    reading the same sequence shard)."""
+    reading the same sequence shard); ``global_size`` for uneven pieces."""
     if C.group_size(group) == 1:
         return x
-    key = (id(group), dim, torch.is_grad_enabled(), x.requires_grad, _version(x))
+    key = (id(group), dim, global_size, torch.is_grad_enabled(), x.requires_grad, _version(x))
     out = _cached(x, "_fsdp2d_gather", key)
     if out is not None:
         return out
-    out = gather_from_tp(x, dim, group=group)
+    out = gather_from_tp(x, dim, group=group, global_size=global_size)
     out._fsdp2d_gathered = (group, dim, weakref.ref(x))  # weak: x -> out is the strong link
     x._fsdp2d_gather = (key, out)
     return out

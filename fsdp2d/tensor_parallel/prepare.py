@@ -50,8 +50,8 @@ class SequenceParallel(ParallelStyle):
         group, seq, use_local = mesh.get_group(), Shard(self.sequence_dim), self.use_local_output
 
         def pre(mod: nn.Module, args: tuple) -> tuple:
-            x, src = local_input(args[0], seq, fqn)
-            return (redistribute(x, src, seq, group), *args[1:])
+            x, src, size = local_input(args[0], seq, fqn)
+            return (redistribute(x, src, seq, group, size), *args[1:])
 
         def post(mod: nn.Module, args: tuple, out: Any) -> Any:
             return as_output(out, seq, mesh, use_local)
@@ -72,8 +72,8 @@ def _move(x: Any, src: Placement | None, dst: Placement | None, mesh: DeviceMesh
     on either side leaves it as it is."""
     if src is None or dst is None:
         return x
-    local, actual = local_input(x, src, where)
-    return as_output(redistribute(local, actual, dst, mesh.get_group()), dst, mesh, use_local)
+    local, actual, size = local_input(x, src, where)
+    return as_output(redistribute(local, actual, dst, mesh.get_group(), size), dst, mesh, use_local)
 
 
 class PrepareModuleInput(ParallelStyle):

@@ -111,8 +111,8 @@ class ColwiseParallel(ParallelStyle):
         global_out, use_local = (module.out_features if is_linear else module.embedding_dim), self.use_local_output
 
         def pre(mod: nn.Module, args: tuple) -> tuple:
-            x, src = local_input(args[0], in_layout, fqn)
-            x = redistribute(x, src, Replicate(), group)
+            x, src, size = local_input(args[0], in_layout, fqn)
+            x = redistribute(x, src, Replicate(), group, size)
             if is_linear:
                 x = T.tp_input(x, group=group)
             return (x, *args[1:])
@@ -166,8 +166,8 @@ class RowwiseParallel(ParallelStyle):
         needed = Shard(-1) if is_linear else Replicate()
 
         def pre(mod: nn.Module, args: tuple) -> tuple:
-            x, src = local_input(args[0], in_layout, fqn)
-            return (redistribute(x, src, needed, group), *args[1:])
+            x, src, size = local_input(args[0], in_layout, fqn)
+            return (redistribute(x, src, needed, group, size), *args[1:])
 
         def reduce(y: torch.Tensor) -> torch.Tensor:  # partial sums -> output layout
             return y if isinstance(out_layout, Partial) else redistribute(y, Partial(), out_layout, group)

@@ -337,3 +337,69 @@ def job_meta_init_with_empty_shards() -> dict:
 def test_meta_init_when_a_rank_holds_nothing(pool):
     for r in pool.run(job_meta_init_with_empty_shards):
         assert r == {"out": [[3.5, 3.5], [3.5, 3.5]], "devices": ["cpu"]}, r
+
+
+def job_between_forward_and_backward() -> dict:
+    """After a grad-enabled forward with no backward the root holds its unsharded copies:
+    state_dict() must still give the DTensor shards, a load must land in them (not in the
+    transient copies), and an optimizer built from model.parameters() there must refuse
+    to step (found by review). Frozen parameters add no host read of the has-gradient
+    flags (no .tolist(): a host sync on a GPU)."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdp2d.debug import OpCounter
+    from . import _parity as P
+
+    torch.set_num_threads(1)
+    model, ref = _dp4_llama()
+    x, y = P.batch_for(0, P.Setup())
+    model(x)  # no backward: the root stays unsharded
+    out = {"all_dtensor": all(isinstance(v, DTensor) for v in model.state_dict().values())}
+    model(x)
+    halved = {k: v * 0.5 for k, v in ref.state_dict().items()}
+    model.load_state_dict(halved)  # full tensors: each rank slices its box
+    ref.load_state_dict(halved)
+    losses = []
+    for _ in range(2):
+        a = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        a.backward()
+        losses.append(abs(a.item() - F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).item()))
+    out["loaded_loss_err"] = max(losses)
+    model(x)
+    out["optimizer_mid_step"] = capture_error(torch.optim.AdamW(model.parameters(), lr=1e-3).step)
+    model, _ = _dp4_llama()
+    for p in (model.tok_embeddings.weight, model.layers[0].attention.wq.weight):
+        p.requires_grad_(False)
+    reads = []
+    tolist = torch.Tensor.tolist  # .tolist() does not dispatch: count its calls
+    torch.Tensor.tolist = lambda t: (reads.append("tolist"), tolist(t))[1]
+    try:
+        with OpCounter() as ops:
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    finally:
+        torch.Tensor.tolist = tolist
+    out["host_reads"] = len(reads) + ops.ops["aten._local_scalar_dense"]
+    out["frozen_grads"] = [model.tok_embeddings.weight.grad, model.layers[0].attention.wq.weight.grad]
+    return out
+
+
+def _dp4_llama():
+    from . import _parity as P
+
+    ref = P.build("llama")
+    model = copy.deepcopy(ref)
+    mesh = get_mesh((4,), ("dp",))
+    for block in model.layers:
+        fsdp2d.fully_shard(block, mesh=mesh)
+    fsdp2d.fully_shard(model, mesh=mesh)
+    return model, ref
+
+
+def test_state_dict_and_optimizers_between_forward_and_backward(pool):
+    for r in pool.run(job_between_forward_and_backward):
+        assert r["all_dtensor"], r
+        assert r["loaded_loss_err"] < 1e-5, r  # the loaded weights are the ones trained
+        err = r["optimizer_mid_step"]
+        assert err is not None and "unsharded copy" in err[1] and "tok_embeddings.weight" in err[1], err
+        assert r["host_reads"] == 0, r
+        assert r["frozen_grads"] == [None, None], r

@@ -130,6 +130,10 @@ def job_keywords() -> dict:
                                             x, ident, _full),
         "colwise DTensor + global-shape view": (_Heads(), {"wq": ColwiseParallel(use_local_output=False)},
                                                 x, ident, _full),
+        "uneven DTensor features into the next style": (  # 5 features over 4 ranks: 2, 2, 1, 0
+            nn.Sequential(nn.Linear(16, 5), nn.Linear(5, 4)),
+            {"0": ColwiseParallel(use_local_output=False), "1": ColwiseParallel(output_layouts=Replicate())},
+            x, ident, ident),
         "rowwise output Partial": (lin(), RowwiseParallel(output_layouts=Partial()), x, _seq(-1), _summed),
         "rowwise output Partial DTensor": (lin(), RowwiseParallel(output_layouts=Partial(), use_local_output=False),
                                            x, _seq(-1), _summed),
