@@ -271,13 +271,38 @@ def _tp2d_reference_qkv(code_dir: str, seed: int, dp_rank: int):
     return got["qkv"]
 
 
+def local_heads_sdpa(original):
+    """``F.scaled_dot_product_attention`` on local heads, the same wrapper for torch and fsdp2d.
+
+    On CPU torch's own path stops inside attention when q/k/v are DTensors (no sharding
+    strategy for the CPU flash kernel; the math kernel adds a plain causal mask to
+    DTensors). With q/k/v sharded on the head dim (Shard(1) of (B, H, T, D), what
+    ``ColwiseParallel(use_local_output=False)`` plus the tutorial's view/transpose give),
+    attention is independent per head: run it on the local tensors and wrap the output
+    with the same placements. Plain tensors pass straight through (the stored tutorial
+    already runs attention on local heads)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def sdpa(q, k, v, *args, **kwargs):
+        if not isinstance(q, DTensor):
+            return original(q, k, v, *args, **kwargs)
+        for t in (q, k, v):
+            assert isinstance(t, DTensor) and all(p == Shard(1) or p.is_replicate() for p in t.placements), t
+        out = original(q.to_local(), k.to_local(), v.to_local(), *args, **kwargs)  # (B, H_local, T, D)
+        return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+
+    return sdpa
+
+
 def run_tp2d_tutorial(code_dir: str, seed: int) -> dict:
     """Run the patched 2D tutorial script (module level, as ``__main__``) on this rank.
 
     Instrumentation only (no change to what the script computes): the first
     ``F.scaled_dot_product_attention`` call's q/k/v are recorded (and compared with one
-    process's, head-sliced for this TP rank), and each step's ``output.sum()`` is recorded
-    through a wrapper of ``Transformer.forward``. Returns ``losses`` and ``qkv_max_diff``,
+    process's: head-sliced for this TP rank if plain, whole if DTensors), attention runs
+    through :func:`local_heads_sdpa` (a pass-through for plain q/k/v, as in the stored
+    tutorial), and each step's ``output.sum()`` is recorded through a wrapper of
+    ``Transformer.forward``. Returns ``losses`` and ``qkv_max_diff``,
     or ``error`` (exception type and message) if the script raised.
     """
     import runpy
@@ -303,10 +328,12 @@ def run_tp2d_tutorial(code_dir: str, seed: int) -> dict:
         losses.append(float(out.detach().sum()))
         return out
 
+    attention = local_heads_sdpa(original_sdpa)
+
     def sdpa(q, k, v, *a, **kw):
         if "qkv" not in seen:
             seen["qkv"] = tuple(t.detach().clone() for t in (q, k, v))
-        return original_sdpa(q, k, v, *a, **kw)
+        return attention(q, k, v, *a, **kw)
 
     llama.Transformer.forward = forward
     F.scaled_dot_product_attention = sdpa
@@ -340,3 +367,45 @@ def run_tp2d_tutorial(code_dir: str, seed: int) -> dict:
                 diffs.append(float((got - want).abs().max()))
         result["qkv_max_diff"] = diffs
     return result
+
+
+def check_local_heads_sdpa(seed: int) -> float:
+    """torch's own TP (``ColwiseParallel(use_local_output=False)`` q/k/v viewed with the
+    global head count, as the newer 2D tutorial does) through :func:`local_heads_sdpa`:
+    the largest deviation of output and input gradient from one process's."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    class Attn(nn.Module):  # (B, T, C) -> (B, T, C), 4 heads of 8
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk, self.wv, self.wo = (nn.Linear(32, 32, bias=False) for _ in range(4))
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = (w(x).view(b, t, 4, 8).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+            return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+
+    torch.manual_seed(seed)
+    ref, x = Attn(), torch.randn(2, 5, 32)
+    tp = Attn()
+    tp.load_state_dict(ref.state_dict())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(tp, mesh, {"wq": ColwiseParallel(use_local_output=False),
+                                  "wk": ColwiseParallel(use_local_output=False),
+                                  "wv": ColwiseParallel(use_local_output=False), "wo": RowwiseParallel()})
+    xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr = ref(xr)
+    yr.sum().backward()
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = local_heads_sdpa(original)
+    try:
+        yt = tp(xt)
+        yt.sum().backward()
+    finally:
+        F.scaled_dot_product_attention = original
+    return max(float((yt - yr).abs().max()), float((xt.grad - xr.grad).abs().max()))

@@ -92,6 +92,7 @@ def test_tp2d_tutorial_on_torch_runs_on_cpu(tp2d_torch):
     """The harness itself: torch's run reaches attention with q/k/v equal to one process's
     (this upstream version runs attention on local heads, plain tensors), and trains 3
     steps, the two TP ranks of a dp rank agreeing."""
+    print("torch 2D wall/cpu s per rank:", [f"{r['wall_s']:.1f}/{r['cpu_s']:.1f}" for r in tp2d_torch])
     for rank, r in enumerate(tp2d_torch):
         assert "error" not in r, (rank, r["error"])
         assert r["qkv_max_diff"] == [0.0, 0.0, 0.0], (rank, r["qkv_max_diff"])
@@ -114,3 +115,13 @@ def test_tp2d_tutorial_on_fsdp2d_equals_torch(pool, tmp_path, tp2d_torch):
         assert "error" not in r, (rank, r["error"])
         assert r["qkv_max_diff"] == [0.0, 0.0, 0.0], (rank, r["qkv_max_diff"])
         assert r["losses"] == pytest.approx(t["losses"], rel=1e-6, abs=0), rank
+
+
+def test_local_heads_attention_patch_on_torch_tp(pool):
+    """The attention patch the 2D harness applies to both sides (tests/dist/_clients.py:
+    local_heads_sdpa), on torch's own TP with DTensor q/k/v viewed with the global head
+    count: output and input gradient equal one process's. 1e-6: the output projection's
+    all-reduce sums 4 partial products in another order than one matmul (a few fp32 ulps
+    of values of order 1)."""
+    for dev in pool.run(C.check_local_heads_sdpa, 0):
+        assert dev < 1e-6, dev
