@@ -152,7 +152,7 @@ class FSDPParamGroup:
             p.expected_local = view
             p.register("sharded")
             for owner, _ in [(p.module, p.name), *p.aliases]:
-                install_rest_hooks(owner, self.reshard)
+                install_rest_hooks(owner, self.to_rest)
             p.make_unsharded(self.param_dtype, device)
         self._sync_requires_grad()
         self.compute_device = device
@@ -253,6 +253,13 @@ class FSDPParamGroup:
             p.free_unsharded()
             p.register("sharded")
         self.unsharded = False
+
+    def to_rest(self) -> None:
+        """Register the sharded (DTensor) parameters if the unsharded ones are out (or an
+        all-gather is in flight); otherwise change nothing: the modules may hold what a
+        ``load_state_dict(assign=True)`` just put there."""
+        if self.unsharded or self._gather is not None:
+            self.reshard()
 
     def register_unsharded(self) -> None:
         for p in self.params:
