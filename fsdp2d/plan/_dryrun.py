@@ -40,7 +40,7 @@ from fsdp2d.train.trainer import parallelize_model
 
 from ._probe import StepProbe
 
-__all__ = ["dry_run", "measure_step"]
+__all__ = ["dry_run", "measure_step", "trainer_step", "warm_up", "axis_groups", "build_optimizer"]
 
 
 def _loss_context(cfg: JobConfig):
@@ -68,6 +68,27 @@ def _accumulators(model: torch.nn.Module) -> list[torch.Tensor]:
     """The unsharded gradient accumulators fsdp2d keeps between no-sync micro-batches."""
     groups = [m._fsdp2d_fsdp.group for m in model.modules() if isinstance(m, fsdp2d.FSDPModule)]
     return [p.acc_grad for g in groups if g is not None for p in g.params if p.acc_grad is not None]
+
+
+def _optimizer_step(params: list[torch.Tensor], opt: torch.optim.Optimizer, cfg: JobConfig) -> None:
+    """The trainer's loss all-reduce (its logged mean loss), clipping and AdamW step."""
+    loss = torch.zeros(1, device=params[0].device)
+    dist.all_reduce(loss)
+    max_norm = cfg.optim.max_norm if cfg.optim.max_norm > 0 else float("inf")
+    fsdp2d.clip_grad_norm_(params, max_norm)
+    opt.step()
+
+
+def trainer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: JobConfig, x: torch.Tensor,
+                 y: torch.Tensor, zero_grad: bool = True) -> None:
+    """The trainer's step with every micro-batch, unmeasured (the checks' real run)."""
+    accum = cfg.accum_steps
+    for m in range(accum):
+        model.set_requires_gradient_sync(m == accum - 1)
+        _micro_step(model, cfg, x, y, None, m)
+    _optimizer_step(list(model.parameters()), opt, cfg)
+    if zero_grad:
+        opt.zero_grad()
 
 
 def _snapshot(probe: StepProbe) -> tuple:
@@ -113,9 +134,7 @@ def measure_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: JobCon
             probe.tag(_accumulators(model), "gradients")
             probe.tag([p.grad for p in params if p.grad is not None], "gradients")
         probe.phase = "optimizer"
-        max_norm = cfg.optim.max_norm if cfg.optim.max_norm > 0 else float("inf")
-        fsdp2d.clip_grad_norm_(params, max_norm)
-        opt.step()
+        _optimizer_step(params, opt, cfg)
         gradients = probe.live_bytes("gradients")
         probe.tag(list(opt.state.values()), "optimizer")
         opt.zero_grad()
@@ -136,7 +155,7 @@ def _figures(probe: StepProbe, params: list[torch.Tensor], at_rest: int, gradien
     }
 
 
-def _optimizer(model: torch.nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
     o = cfg.optim  # the trainer's AdamW; torch picks foreach on CUDA, the for-loop on CPU
     return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                              foreach=cfg.parallel.device == "cuda")
@@ -174,7 +193,7 @@ def dry_run(cfg: JobConfig, world: int, rank: int) -> dict:
         model = parallelize_model(cpu, mesh)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
-            opt = _optimizer(model, cfg)
+            opt = build_optimizer(model, cfg)
             x = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch, cfg.data.seq_len))
             y = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch, cfg.data.seq_len))
             warm_up(model, opt, x)
