@@ -25,8 +25,8 @@ tensors, which is how the estimator is checked against a real CPU run). It recor
 
 from __future__ import annotations
 
-import math
 import weakref
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ _NO_TRAFFIC = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.new
                _aten.resize_.default, _aten.detach.default, _aten.lift_fresh.default}
 
 
-def _cpu_flash_flops(func, args: tuple, out: Any) -> int:
+def _cpu_flash_flops(func, *args, out_val: Any = None, **kwargs) -> int:
     """FLOPs of CPU flash attention (torch's counter knows only the CUDA kernels): the
     same formulas, from ``(B, H, T, D)`` shapes."""
     name = func._schema.name
@@ -62,6 +62,29 @@ def _cpu_flash_flops(func, args: tuple, out: Any) -> int:
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _flat(values: Any) -> list[torch.Tensor]:
+    """The tensors among ``values`` and its lists/tuples, one level deep: what aten ops
+    take and return (a faster ``tree_flatten``; c10d ops nest deeper and use that)."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    out = []
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(b for b in a if isinstance(b, torch.Tensor))
+    return out
+
+
+def _op_info(func) -> tuple[bool, Any]:
+    """(moves data, FLOP formula or None) of an aten op."""
+    moves = not func.is_view and func not in _NO_TRAFFIC
+    formula = flop_registry.get(func.overloadpacket)
+    if formula is None and func._schema.name.startswith("aten::_scaled_dot_product_flash_attention_for_cpu"):
+        formula = partial(_cpu_flash_flops, func)
+    return moves, formula
 
 
 class StepProbe(TorchDispatchMode):
@@ -85,6 +108,7 @@ class StepProbe(TorchDispatchMode):
         self.entries: list[list[int]] = []  # [size, born, died] (died = -1 while alive)
         self.category: dict[int, str] = {}  # entry index -> category
         self._watch = watch_exchanges(self._add_collective)
+        self._info: dict = {}  # aten op -> _op_info(op)
 
     # -- memory ---------------------------------------------------------------------
     def track(self, tree: Any, category: str | None = None) -> None:
@@ -184,27 +208,30 @@ class StepProbe(TorchDispatchMode):
             return NotImplemented  # DTensor desugars into local ops, which come back here
         kwargs = kwargs or {}
         self.t += 1
-        if func.namespace == "c10d":
-            described = describe_c10d_op(func, args)
+        if func.namespace != "aten":  # c10d collectives, whose arguments nest deeper
+            described = describe_c10d_op(func, args) if func.namespace == "c10d" else None
             if described is not None:
                 self._add_collective(*described)
-        ins = _tensors((args, kwargs))
+            for t in _tensors((args, kwargs)):
+                self._see(t)
+            out = func(*args, **kwargs)
+            for t in _tensors(out):
+                self._see(t)
+            return out
+        ins = _flat(args) + (_flat(kwargs.values()) if kwargs else [])
         for t in ins:
             self._see(t)
         out = func(*args, **kwargs)
-        outs = _tensors(out)
+        outs = _flat(out) if isinstance(out, (torch.Tensor, list, tuple)) else []
         for t in outs:
             self._see(t)
-        if func.namespace == "aten":
-            self._work(func, args, kwargs, out, ins, outs)
-        return out
-
-    def _work(self, func, args, kwargs, out, ins, outs) -> None:
-        packet = func.overloadpacket
-        flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry \
-            else _cpu_flash_flops(func, args, out)
+        info = self._info.get(func)
+        if info is None:
+            info = self._info[func] = _op_info(func)
+        moves, formula = info
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         moved = 0
-        if not func.is_view and func not in _NO_TRAFFIC:
+        if moves:
             seen = set()
             for t in ins + outs:
                 if id(t) not in seen:
@@ -213,7 +240,4 @@ class StepProbe(TorchDispatchMode):
         if flops or moved:
             self.flops += flops
             self.ops.append((int(flops), moved))
-
-    def roofline_seconds(self, peak_flops: float, hbm_bytes_per_s: float) -> float:
-        """Sum over ops of ``max(flops / peak_flops, bytes / hbm_bandwidth)``."""
-        return math.fsum(max(f / peak_flops, b / hbm_bytes_per_s) for f, b in self.ops)
+        return out

@@ -26,7 +26,7 @@ import time
 from fsdp2d.train.config import ConfigError, JobConfig, load_config, validate
 
 from ._format import format_report
-from .estimate import GPUS, comm_table, estimate
+from .estimate import GPUS, comm_table, estimate, roofline_seconds
 
 __all__ = ["main", "plan", "resolve"]
 
@@ -89,7 +89,7 @@ def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_n
         t0 = time.perf_counter()
         measured = dry_run(cfg, world, rank)
         ops = measured.pop("ops")
-        compute = sum(max(f / gpu.bf16_flops, b / gpu.hbm_bytes_per_s) for f, b in ops)
+        compute = roofline_seconds(ops, gpu)
         comm = comm_table(measured, measured.pop("axis_ranks"), gpus_per_node, gpu)
         est = estimate(measured, comm, gpu, tokens_per_gpu, flops_per_token, compute)
         report["ranks"].append({"rank": rank, **measured, "collectives": comm, "estimate": est,

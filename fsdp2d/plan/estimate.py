@@ -25,9 +25,10 @@ The model (simple on purpose; every input is measured by the dry run or read fro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["GPU", "GPUS", "estimate", "wire_factor"]
+__all__ = ["GPU", "GPUS", "comm_table", "estimate", "roofline_seconds", "wire_factor"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,11 @@ GPUS: dict[str, GPU] = {
 }
 
 FSDP_AXES = ("dp", "shard", "replicate")
+
+
+def roofline_seconds(ops: list[tuple[int, int]], gpu: GPU) -> float:
+    """Compute time: the sum over ops of ``max(flops / peak, bytes / HBM bandwidth)``."""
+    return math.fsum(max(f / gpu.bf16_flops, b / gpu.hbm_bytes_per_s) for f, b in ops)
 
 
 def wire_factor(kind: str, k: int) -> float:
