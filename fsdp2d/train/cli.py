@@ -92,9 +92,13 @@ def train(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("train", "plot", "pretokenize", "generate"):
-        print("usage: fsdp2d {train,plot,pretokenize,generate} ...  (fsdp2d train --help)", file=sys.stderr)
+    if not argv or argv[0] not in ("train", "plot", "plan", "pretokenize", "generate"):
+        print("usage: fsdp2d {train,plot,plan,pretokenize,generate} ...  (fsdp2d train --help)", file=sys.stderr)
         return 2
+    if argv[0] == "plan":  # dry run of one rank under the fake process group (fsdp2d.plan)
+        from fsdp2d.plan.cli import main as plan_main
+
+        return plan_main(argv[1:])
     if argv[0] in ("pretokenize", "generate"):
         from importlib import import_module
 

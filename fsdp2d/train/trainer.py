@@ -41,6 +41,18 @@ class TrainingError(RuntimeError):
 
 def build_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
     """Meta-device model, parallelized, materialised with this rank's shards only."""
+    model = parallelize_model(cfg, mesh)
+    model.to_empty(device=cfg.parallel.device)
+    torch.manual_seed(cfg.training.seed)
+    model.init_weights()
+    if cfg.model.init_from:  # each rank reads only its own shards of the HF weights
+        load_hf_into(model, cfg.model.init_from)
+    return model
+
+
+def parallelize_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
+    """The model on the meta device with the TP plan, activation checkpointing and
+    ``fully_shard`` applied as ``cfg`` says (``fsdp2d plan`` builds with this too)."""
     args = cfg.model.to_args()
     with torch.device("meta"):
         model = Llama(args) if cfg.model.name == "llama" else GPT2(args)
@@ -60,11 +72,6 @@ def build_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
     for block in blocks:
         fsdp2d.fully_shard(block, mesh=mesh[dp_axes], mp_policy=mp)
     fsdp2d.fully_shard(model, mesh=mesh[dp_axes], mp_policy=mp)
-    model.to_empty(device=p.device)
-    torch.manual_seed(cfg.training.seed)
-    model.init_weights()
-    if cfg.model.init_from:  # each rank reads only its own shards of the HF weights
-        load_hf_into(model, cfg.model.init_from)
     return model
 
 

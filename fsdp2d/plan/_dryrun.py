@@ -1,0 +1,208 @@
+"""One rank of a real job, one real training step, nothing allocated.
+
+:func:`dry_run` starts torch's fake process group as rank ``rank`` of ``world``, builds
+the job's mesh and model exactly as ``fsdp2d train`` does
+(:func:`fsdp2d.train.trainer.parallelize_model`: meta device, TP plan, activation
+checkpointing, ``fully_shard`` per block and root) *outside* ``FakeTensorMode``, then
+inside it materialises the shards (``to_empty``), runs one warm-up step (lazy set-up,
+optimizer state) and one measured step under :class:`~fsdp2d.plan._probe.StepProbe`.
+
+The measured step is the trainer's (``Trainer.train_step``): ``accum`` micro-batches
+of ``micro_batch x seq_len`` tokens, gradient sync on the last one only, the
+trainer's loss (vocab-parallel under ``parallel.loss_parallel``), global-norm clipping,
+AdamW (``foreach`` on CUDA, torch's default there), ``zero_grad``. Micro-batches 2 to
+``accum - 1`` are the same step after step (same ops, same live memory: the gradient
+accumulators exist from the first one on), so at most three run: the first, one of the
+middle ones and the last; the middle one's collectives and work count ``accum - 2``
+times. The memory peak is exact either way.
+
+Differences from the GPU job, stated in the output: the fake step runs on the CPU
+device, so attention is torch's CPU flash kernel (same shapes and saved tensors as the
+CUDA one: output and log-sum-exp), and the CUDA caching allocator's rounding, the CUDA
+context and NCCL's buffers are not tensors and are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp2d
+from fsdp2d.train.config import JobConfig
+from fsdp2d.train.trainer import parallelize_model
+
+from ._probe import StepProbe
+
+__all__ = ["dry_run", "measure_step", "trainer_step", "warm_up", "axis_groups", "build_optimizer"]
+
+
+def _loss_context(cfg: JobConfig):
+    p = cfg.parallel
+    return fsdp2d.loss_parallel() if p.loss_parallel and p.tp > 1 else nullcontext()
+
+
+def _micro_step(model: torch.nn.Module, cfg: JobConfig, x: torch.Tensor, y: torch.Tensor,
+                probe: StepProbe | None, m: int) -> None:
+    """One micro-batch, as ``Trainer._loss`` + ``loss.backward()``."""
+    if probe is not None:
+        probe.phase = f"forward {m}"
+    with _loss_context(cfg):
+        logits = model(x)  # (b, T, V), vocab-sharded under loss_parallel
+        if not cfg.parallel.loss_parallel:
+            logits = logits.float()
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / cfg.accum_steps
+        del logits
+        if probe is not None:
+            probe.phase = f"backward {m}"
+        loss.backward()
+
+
+def _accumulators(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The unsharded gradient accumulators fsdp2d keeps between no-sync micro-batches."""
+    groups = [m._fsdp2d_fsdp.group for m in model.modules() if isinstance(m, fsdp2d.FSDPModule)]
+    return [p.acc_grad for g in groups if g is not None for p in g.params if p.acc_grad is not None]
+
+
+def _optimizer_step(params: list[torch.Tensor], opt: torch.optim.Optimizer, cfg: JobConfig) -> None:
+    """The trainer's loss all-reduce (its logged mean loss), clipping and AdamW step."""
+    loss = torch.zeros(1, device=params[0].device)
+    dist.all_reduce(loss)
+    max_norm = cfg.optim.max_norm if cfg.optim.max_norm > 0 else float("inf")
+    fsdp2d.clip_grad_norm_(params, max_norm)
+    opt.step()
+
+
+def trainer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: JobConfig, x: torch.Tensor,
+                 y: torch.Tensor, zero_grad: bool = True) -> None:
+    """The trainer's step with every micro-batch, unmeasured (the checks' real run)."""
+    accum = cfg.accum_steps
+    for m in range(accum):
+        model.set_requires_gradient_sync(m == accum - 1)
+        _micro_step(model, cfg, x, y, None, m)
+    _optimizer_step(list(model.parameters()), opt, cfg)
+    if zero_grad:
+        opt.zero_grad()
+
+
+def _snapshot(probe: StepProbe) -> tuple:
+    return ({k: list(v) for k, v in probe.collectives.items()}, len(probe.ops), probe.flops)
+
+
+def _repeat(probe: StepProbe, before: tuple, after: tuple, times: int) -> None:
+    """Count the work of the micro-batch between two snapshots ``times`` more times."""
+    if times <= 0:
+        return
+    (c0, n0, f0), (c1, n1, f1) = before, after
+    for key, (count, size) in c1.items():
+        prev = c0.get(key, [0, 0])
+        entry = probe.collectives.setdefault(key, [0, 0])
+        entry[0] += (count - prev[0]) * times
+        entry[1] += (size - prev[1]) * times
+    probe.ops.extend(probe.ops[n0:n1] * times)
+    probe.flops += (f1 - f0) * times
+
+
+def measure_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: JobConfig,
+                 batch: tuple[torch.Tensor, torch.Tensor], axis_of_group: dict[str, str]) -> dict:
+    """Run the trainer's step once under a :class:`StepProbe` and return its figures.
+    Works on real and fake tensors (the checks run it on a real CPU job)."""
+    x, y = batch
+    gc.collect()
+    probe = StepProbe(axis_of_group)
+    params = list(model.parameters())
+    probe.tag(params, "parameters")
+    probe.tag(list(opt.state.values()), "optimizer")
+    probe.tag(list(model.buffers()), "buffers")
+    probe.tag((x, y), "batch")
+    at_rest = probe.current
+    accum = cfg.accum_steps
+    with probe:
+        for m in sorted({0, accum - 1}):
+            model.set_requires_gradient_sync(m == accum - 1)
+            before = _snapshot(probe)
+            _micro_step(model, cfg, x, y, probe, m)
+            if m == 0:  # micro-batches 1 .. accum - 2 repeat the first (see the module doc)
+                _repeat(probe, before, _snapshot(probe), accum - 2)
+            # unsharded accumulators after a no-sync micro-batch, sharded gradients after the last
+            probe.tag(_accumulators(model), "gradients")
+            probe.tag([p.grad for p in params if p.grad is not None], "gradients")
+        probe.phase = "optimizer"
+        _optimizer_step(params, opt, cfg)
+        gradients = probe.live_bytes("gradients")
+        probe.tag(list(opt.state.values()), "optimizer")
+        opt.zero_grad()
+    return _figures(probe, params, at_rest, gradients)
+
+
+def _figures(probe: StepProbe, params: list[torch.Tensor], at_rest: int, gradients: int) -> dict:
+    local = [p._local_tensor if hasattr(p, "_local_tensor") else p for p in params]
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in local}
+    real = sum(t.numel() * t.element_size() for t in local)
+    return {
+        "parameters": sum(storages.values()), "padding": sum(storages.values()) - real,
+        "gradients": gradients, "optimizer": probe.live_bytes("optimizer"),
+        "at_rest": at_rest, "peak": probe.peak, "peak_breakdown": probe.breakdown(),
+        "phase_peak": dict(probe.phase_peak),
+        "collectives": {f"{a}/{k}": v for (a, k), v in sorted(probe.collectives.items())},
+        "flops": probe.flops, "ops": probe.ops,
+    }
+
+
+def build_optimizer(model: torch.nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
+    o = cfg.optim  # the trainer's AdamW; torch picks foreach on CUDA, the for-loop on CPU
+    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                             foreach=cfg.parallel.device == "cuda")
+
+
+def axis_groups(mesh: fsdp2d.DeviceMesh) -> dict[str, str]:
+    """Process-group name -> mesh axis name; the whole world (e.g. the gradient-norm
+    all-reduce) is ``world`` unless one axis spans it."""
+    out = {dist.group.WORLD.group_name: "world"}
+    out.update({mesh.get_group(n).group_name: n for n in mesh.mesh_dim_names if mesh.size(n) > 1})
+    return out
+
+
+def warm_up(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    """Bring model and optimizer to their state between two training steps at the cost
+    of a forward: the first forward's lazy set-up, every group resharded, AdamW's
+    state created by a step on zero gradients (the state a real step creates)."""
+    with torch.no_grad():
+        model(x)
+    for m in model.modules():
+        if isinstance(m, fsdp2d.FSDPModule):
+            m.reshard()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad()
+
+
+def dry_run(cfg: JobConfig, world: int, rank: int) -> dict:
+    """Figures of rank ``rank``'s step in a job of ``world`` ranks (see module doc)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        cpu = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, device="cpu"))
+        mesh = fsdp2d.init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names)
+        model = parallelize_model(cpu, mesh)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            opt = build_optimizer(model, cfg)
+            x = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch, cfg.data.seq_len))
+            y = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch, cfg.data.seq_len))
+            warm_up(model, opt, x)
+            out = measure_step(model, opt, cfg, (x, y), axis_groups(mesh))
+        out["coordinate"] = dict(zip(cfg.mesh_dim_names, mesh.get_coordinate()))
+        out["axis_ranks"] = {n: mesh[n].mesh.flatten().tolist() for n in cfg.mesh_dim_names}
+        out["axis_ranks"]["world"] = list(range(world))
+        del model, opt
+        return out
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

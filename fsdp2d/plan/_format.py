@@ -1,0 +1,69 @@
+"""The text layout of ``fsdp2d plan`` (the JSON report, printed for people)."""
+
+from __future__ import annotations
+
+GiB = 2**30
+
+_CATEGORIES = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer"),
+               ("other", "activations+transients"), ("buffers", "buffers"), ("batch", "batch"))
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:.2f}"
+
+
+def _header(r: dict, config: str) -> list[str]:
+    c, gpu = r["config"], r["gpu_figures"]
+    mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
+    t, m = c["training"], c["model"]
+    nodes = max(1, r["world_size"] // r["gpus_per_node"])
+    return [
+        f"fsdp2d plan: {config} on {r['world_size']} x {gpu['name']} ({nodes} nodes x {r['gpus_per_node']}), "
+        f"mesh {mesh}",
+        f"  {m['name']} {r['model_params'] / 1e9:.2f}B parameters; global batch {t['global_batch']} x "
+        f"{c['data']['seq_len']} tokens ({r['micro_batch']} per micro-batch x {r['accum_steps']} per rank; "
+        f"{r['tokens_per_gpu_per_step']:.0f} tokens/GPU/step); mixed precision {t['mixed_precision']}; "
+        f"activation checkpointing {'on' if t['activation_checkpointing'] else 'off'}",
+    ]
+
+
+def _rank(rank: dict, gpu: dict) -> list[str]:
+    coord = ", ".join(f"{k}={v}" for k, v in rank["coordinate"].items())
+    e, br = rank["estimate"], rank["peak_breakdown"]
+    at_peak = " + ".join(f"{label} {_gib(br[k])}" for k, label in _CATEGORIES if br.get(k))
+    phase = max(rank["phase_peak"], key=rank["phase_peak"].get)
+    lines = [
+        f"rank {rank['rank']} ({coord}): dry run {rank['dry_run_s']:.1f} s",
+        "  memory per rank (measured: live tensor storage), GiB",
+        f"    parameters (sharded)   {_gib(rank['parameters']):>9}   padding {_gib(rank['padding'])} "
+        f"({rank['padding']} bytes)",
+        f"    gradients (sharded)    {_gib(rank['gradients']):>9}",
+        f"    optimizer state        {_gib(rank['optimizer']):>9}",
+        f"    peak                   {_gib(rank['peak']):>9}   in {phase}: {at_peak}",
+        "  collectives per step (measured; bytes = logical buffer; time = ring bytes at the link's bandwidth)",
+    ]
+    for key, row in rank["collectives"].items():
+        lines.append(f"    {key:<22} {row['count']:>6} x  {_gib(row['bytes']):>9} GiB  {row['link']:<8} "
+                     f"{row['seconds'] * 1e3:9.1f} ms")
+    axes = ", ".join(f"{a} {s * 1e3:.1f} ms" for a, s in e["comm_s_by_axis"].items())
+    lines += [
+        f"  estimate on {gpu['name']} (roofline, see fsdp2d/plan/estimate.py)",
+        f"    compute {e['compute_s'] * 1e3:.1f} ms ({rank['flops'] / 1e12:.1f} TFLOP measured over "
+        f"{rank['roofline_ops']} ops); communication {axes}",
+        f"    step {e['step_s']:.3f} s (FSDP overlapped, TP exposed; all serial: {e['step_s_serial']:.3f} s), "
+        f"{e['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {e['mfu'] * 100:.1f}%",
+    ]
+    if e["fits"]:
+        lines.append(f"    fits: peak {_gib(rank['peak'])} of {_gib(e['hbm_bytes'])} GiB "
+                     f"({rank['peak'] / e['hbm_bytes'] * 100:.0f}%; allocator, CUDA context and NCCL buffers not counted)")
+    else:
+        lines.append(f"    does not fit: {_gib(e['over_bytes'])} GiB over ({_gib(rank['peak'])} GiB peak, "
+                     f"{_gib(e['hbm_bytes'])} GiB on the GPU)")
+    return lines
+
+
+def format_report(report: dict, config: str) -> str:
+    lines = _header(report, config)
+    for rank in report["ranks"]:
+        lines += _rank(rank, report["gpu_figures"])
+    return "\n".join(lines)

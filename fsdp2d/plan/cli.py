@@ -1,0 +1,119 @@
+"""``fsdp2d plan``: will this job fit, and how fast will it be, before getting the GPUs.
+
+    fsdp2d plan --config configs/llama3_70b_64gpu.toml --nodes 1024 --gpus-per-node 8 --gpu h100
+    fsdp2d plan --config CONFIG [--world-size W | --nodes N --gpus-per-node G] [--gpu h100|h200|a100]
+                [--rank R] [--json] [--section.key=value ...]
+
+Runs rank 0 and the last rank (or ``--rank R``) of the job, one after the other in this
+process, with :func:`fsdp2d.plan.dry_run` (fake process group + ``FakeTensorMode``: the
+real mesh, TP plan, ``fully_shard``, activation checkpointing and training step, no
+weights allocated), then prints per rank the measured memory, padding and collectives
+per mesh axis, and the roofline estimate of :mod:`fsdp2d.plan.estimate` for the GPU.
+
+A world size other than the config's changes the FSDP degree (``parallel.dp``) and keeps
+the per-rank batch (``training.global_batch`` scales with the data-parallel ranks)
+unless ``--training.global_batch`` is given. Errors (a world size the parallel dims do
+not divide, an unknown GPU, a rank outside the world) exit with code 2 and one message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from fsdp2d.train.config import ConfigError, JobConfig, load_config, validate
+
+from ._format import format_report
+from .estimate import GPUS, comm_table, estimate, roofline_seconds
+
+__all__ = ["main", "plan", "resolve"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fsdp2d plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="a TOML preset (configs/*.toml)")
+    ap.add_argument("--world-size", type=int, help="GPUs in the job (default: the config's mesh)")
+    ap.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node; instead of --world-size)")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    ap.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)} (default h100)")
+    ap.add_argument("--rank", type=int, action="append", help="rank to run (repeatable; default 0 and the last)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return ap
+
+
+def resolve(config: str, overrides: list[str], world: int | None) -> JobConfig:
+    """The config at ``world`` GPUs (see the module doc), validated."""
+    cfg = load_config(config, overrides)
+    if world is not None and world != cfg.world_size:
+        p = cfg.parallel
+        other = p.hsdp_replicate * p.tp
+        if world % other:
+            raise ConfigError(f"world size {world} is not divisible by hsdp_replicate * tp = {p.hsdp_replicate} * "
+                              f"{p.tp} = {other}: choose a multiple of {other} or change --parallel.tp")
+        per_rank = cfg.training.global_batch // cfg.dp_degree
+        p.dp = world // other
+        if not any(o.startswith("--training.global_batch") for o in overrides):
+            cfg.training.global_batch = per_rank * cfg.dp_degree
+    validate(cfg, world_size=cfg.world_size)
+    return cfg
+
+
+def _world(args: argparse.Namespace) -> int | None:
+    if args.nodes is not None:
+        if args.world_size is not None:
+            raise ConfigError("give --world-size or --nodes (with --gpus-per-node), not both")
+        return args.nodes * args.gpus_per_node
+    return args.world_size
+
+
+def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_node: int) -> dict:
+    """Dry-run ``ranks`` and estimate them on ``gpu_name``; the JSON report."""
+    from fsdp2d.models import GPT2, Llama
+    from fsdp2d.plan._dryrun import dry_run
+
+    import torch
+
+    gpu = GPUS[gpu_name]
+    with torch.device("meta"):
+        model = Llama(cfg.model.to_args()) if cfg.model.name == "llama" else GPT2(cfg.model.to_args())
+    flops_per_token = model.flops_per_token(cfg.data.seq_len)
+    tokens_per_gpu = cfg.training.global_batch * cfg.data.seq_len / world
+    report = {"config": cfg.to_dict(), "world_size": world, "gpus_per_node": gpus_per_node, "gpu": gpu_name,
+              "gpu_figures": vars(gpu), "mesh": dict(zip(cfg.mesh_dim_names, cfg.mesh_shape)),
+              "model_params": model.num_params(), "flops_per_token": flops_per_token,
+              "tokens_per_gpu_per_step": tokens_per_gpu,
+              "micro_batch": cfg.micro_batch, "accum_steps": cfg.accum_steps, "ranks": []}
+    for rank in ranks:
+        t0 = time.perf_counter()
+        measured = dry_run(cfg, world, rank)
+        ops = measured.pop("ops")
+        compute = roofline_seconds(ops, gpu)
+        comm = comm_table(measured, measured.pop("axis_ranks"), gpus_per_node, gpu)
+        est = estimate(measured, comm, gpu, tokens_per_gpu, flops_per_token, compute)
+        report["ranks"].append({"rank": rank, **measured, "collectives": comm, "estimate": est,
+                                "roofline_ops": len(ops), "dry_run_s": time.perf_counter() - t0})
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        world = _world(args)
+        cfg = resolve(args.config, overrides, world)
+        world = cfg.world_size
+        if args.gpu not in GPUS:
+            raise ConfigError(f"--gpu {args.gpu!r} is not in the table: use one of {', '.join(GPUS)}")
+        if world % args.gpus_per_node and world > args.gpus_per_node:
+            raise ConfigError(f"world size {world} is not a whole number of nodes of {args.gpus_per_node} GPUs")
+        ranks = args.rank or sorted({0, world - 1})
+        bad = [r for r in ranks if not 0 <= r < world]
+        if bad:
+            raise ConfigError(f"--rank {bad[0]} is outside the world of {world} ranks (0 .. {world - 1})")
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    report = plan(cfg, world, ranks, args.gpu, min(args.gpus_per_node, world))
+    print(json.dumps(report) if args.json else format_report(report, args.config))
+    return 0

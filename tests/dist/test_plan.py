@@ -1,0 +1,121 @@
+"""``fsdp2d plan`` checked against a real run of the same small job on 4 CPU ranks.
+
+One fixture runs ``fsdp2d plan --config tests/plan_small.toml --json`` (a subprocess:
+fake process group, ``FakeTensorMode``, ranks 0 and 3 of 4); the pool job builds the
+same job for real (the trainer's ``build_model`` on a 2 x 2 gloo mesh), takes one real
+warm-up step, then one real step of every micro-batch measured two ways that share no
+code with the estimator: the benchmark's storage tracker (``benchmarks/compare_torch.py``
+``StepTracker``: peak of live tensor storage, as ``make bench`` reports it) and
+``fsdp2d.debug.CollectiveCounter`` (collectives per process group, mapped to axes).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .pool import get_mesh
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "tests" / "plan_small.toml"
+
+
+def _storage_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+    return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in local}.values())
+
+
+def job_real_step(config: str) -> dict:
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from compare_torch import StepTracker
+
+    from fsdp2d.debug import CollectiveCounter
+    from fsdp2d.plan._dryrun import axis_groups, build_optimizer, trainer_step
+    from fsdp2d.plan.cli import resolve
+    from fsdp2d.train.trainer import build_model
+
+    cfg = resolve(config, [], 4)
+    mesh = get_mesh(cfg.mesh_shape, cfg.mesh_dim_names)
+    model = build_model(cfg, mesh)
+    opt = build_optimizer(model, cfg)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch, cfg.data.seq_len), generator=g)
+    y = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch, cfg.data.seq_len), generator=g)
+    trainer_step(model, opt, cfg, x, y)  # warm-up: optimizer state exists from here on
+    gc.collect()
+    params = list(model.parameters())
+    tracker = StepTracker({})
+    tracker.track(params, list(opt.state.values()), list(model.buffers()), x, y)
+    with CollectiveCounter() as counter, tracker:
+        trainer_step(model, opt, cfg, x, y, zero_grad=False)
+    axis = axis_groups(mesh)
+    out = {
+        "peak": tracker.peak, "parameters": _storage_bytes(params),
+        "gradients": _storage_bytes([p.grad for p in params]),
+        "optimizer": _storage_bytes([t for s in opt.state.values() for t in s.values()]),
+        "collectives": {f"{axis.get(group, 'other')}/{kind}": v for (group, kind), v in counter.counts.items()},
+    }
+    opt.zero_grad()
+    return out
+
+
+@pytest.fixture(scope="module")
+def planned() -> dict:
+    out = subprocess.run([str(Path(sys.executable).with_name("fsdp2d")), "plan", "--config", str(CONFIG), "--json"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def real(pool) -> list[dict]:
+    return pool.run(job_real_step, str(CONFIG))
+
+
+def test_plan_json_fields(planned):
+    """(c) ``fsdp2d plan --json`` on a small config: ranks 0 and the last, every figure."""
+    assert planned["world_size"] == 4 and planned["mesh"] == {"dp": 2, "tp": 2}
+    assert planned["accum_steps"] == 3 and planned["gpu"] == "h100"
+    assert [r["rank"] for r in planned["ranks"]] == [0, 3]
+    for r in planned["ranks"]:
+        for key in ("parameters", "gradients", "optimizer", "peak", "padding", "flops"):
+            assert isinstance(r[key], int) and r[key] >= 0, key
+        assert r["peak"] > r["parameters"] + r["optimizer"] > 0
+        assert set(r["collectives"]) >= {"dp/all_gather", "dp/reduce_scatter", "tp/all_gather"}
+        for row in r["collectives"].values():
+            assert set(row) == {"count", "bytes", "wire_bytes", "link", "seconds"}
+            assert row["link"] == "nvlink"  # 4 ranks: one node of 8
+        e = r["estimate"]
+        assert e["fits"] and e["over_bytes"] == 0
+        assert e["step_s"] >= e["compute_s"] > 0 and e["step_s_serial"] >= e["step_s"]
+        assert e["tokens_per_s_per_gpu"] == pytest.approx(planned["tokens_per_gpu_per_step"] / e["step_s"])
+        assert 0 < e["mfu"] < 1
+    # dim 40: the SwiGLU rows split 27 / 26 over dp, so the last dp rank's shards are padded
+    assert planned["ranks"][0]["padding"] == 0 and planned["ranks"][1]["padding"] > 0
+
+
+@pytest.mark.parametrize("index,rank", [(0, 0), (1, 3)])
+def test_memory_matches_a_real_run(planned, real, index, rank):
+    """(a) The dry run's memory against the real run's storage-level peak: within 10%."""
+    plan, got = planned["ranks"][index], real[rank]
+    print(f"rank {rank}: plan {({k: plan[k] for k in got if k != 'collectives'})} real "
+          f"{({k: v for k, v in got.items() if k != 'collectives'})}")
+    for key in ("peak", "parameters", "gradients", "optimizer"):
+        assert abs(plan[key] - got[key]) <= 0.10 * got[key], (key, plan[key], got[key])
+
+
+@pytest.mark.parametrize("index,rank", [(0, 0), (1, 3)])
+def test_collectives_match_a_real_run(planned, real, index, rank):
+    """(b) Collectives and bytes per mesh axis: equal to what the real step issued (the
+    dry run extrapolates the middle micro-batch; the real run ran all three)."""
+    plan = {k: [v["count"], v["bytes"]] for k, v in planned["ranks"][index]["collectives"].items()}
+    assert plan == real[rank]["collectives"]
