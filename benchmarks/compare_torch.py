@@ -504,6 +504,7 @@ def run(cfg: Config, steps: int, warmup: int, profile: str | None, optim: str = 
     if rank != 0:
         return None
     result = summarize(cfg, every, dp, tp, steps, warmup, load_start, load_end)
+    result["optim"] = f"AdamW {optim}, both sides"
     if prof_table:
         result["profile"] = prof_table
     return result
@@ -530,7 +531,7 @@ def profile_impls(cfg, impls, opts, step0, dp_rank, dp, which: str) -> str | Non
 def summarize(cfg: Config, every: list[dict], dp: int, tp: int, steps: int, warmup: int,
               load_start: str, load_end: str) -> dict:
     tokens = cfg.batch * cfg.seq
-    res: dict[str, Any] = {"config": asdict(cfg), "mesh": {"dp": dp, "tp": tp}, "steps": steps, "optim": optim,
+    res: dict[str, Any] = {"config": asdict(cfg), "mesh": {"dp": dp, "tp": tp}, "steps": steps,
                            "warmup": warmup, "load_start": load_start, "load_end": load_end,
                            "torch_version": torch.__version__, "impl": {}}
     for name in ("torch", "fsdp2d"):
