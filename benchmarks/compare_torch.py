@@ -74,7 +74,7 @@ from torch.utils._pytree import tree_flatten
 
 import fsdp2d
 from fsdp2d import _shm
-from fsdp2d.debug import describe_c10d_op, nbytes as _nbytes, watch_exchanges
+from fsdp2d.debug import describe_c10d_op, nbytes as _nbytes, watch_exchanges, watch_storage_resizes
 from fsdp2d.models import GPT2, GPT2Args, Llama, LlamaArgs, gpt2_tp_plan, llama_tp_plan
 
 FP32 = 4  # bytes per element; every run here is fp32
@@ -262,20 +262,12 @@ class StepTracker(TorchDispatchMode):
                 del self._live[key]
 
     def __enter__(self):
-        self._orig_resize = torch.UntypedStorage.resize_
-        tracker, orig = self, self._orig_resize
-
-        def resize_(st, size):  # both FSDPs free/refill unsharded params this way
-            out = orig(st, size)
-            tracker._update(st)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
+        self._resizes = watch_storage_resizes(self._update).__enter__()  # FSDPs free/refill this way
         self._watch.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._orig_resize
+        self._resizes.__exit__(*exc)
         self._watch.__exit__(*exc)
         return super().__exit__(*exc)
 

@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_flatten
 from . import _collectives, _shm
 from ._collectives import EXCHANGE_KINDS
 
-__all__ = ["CollectiveCounter", "OpCounter", "C10D_KINDS", "describe_c10d_op", "watch_exchanges"]
+__all__ = ["CollectiveCounter", "OpCounter", "C10D_KINDS", "describe_c10d_op", "watch_exchanges",
+           "watch_storage_resizes"]
 
 # c10d op name -> (kind, index of the argument holding the logical buffer or None)
 C10D_KINDS: dict[str, tuple[str, int | None]] = {
@@ -141,3 +142,28 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
+
+
+class watch_storage_resizes:
+    """Calls ``on_resize(storage)`` after every ``UntypedStorage.resize_`` while active:
+    both fsdp2d's and torch's FSDP free and refill unsharded parameters this way, which a
+    dispatch mode does not see. Used by the benchmark's and ``fsdp2d plan``'s memory
+    trackers."""
+
+    def __init__(self, on_resize) -> None:
+        self.on_resize = on_resize
+
+    def __enter__(self) -> "watch_storage_resizes":
+        self._orig = orig = torch.UntypedStorage.resize_
+        on_resize = self.on_resize
+
+        def resize_(st, size):
+            out = orig(st, size)
+            on_resize(st)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.UntypedStorage.resize_ = self._orig

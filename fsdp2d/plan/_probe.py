@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from fsdp2d.debug import describe_c10d_op, watch_exchanges
+from fsdp2d.debug import describe_c10d_op, watch_exchanges, watch_storage_resizes
 
 __all__ = ["StepProbe"]
 
@@ -186,20 +186,12 @@ class StepProbe(TorchDispatchMode):
 
     # -- dispatch -------------------------------------------------------------------
     def __enter__(self) -> "StepProbe":
-        self._orig_resize = torch.UntypedStorage.resize_
-        probe, orig = self, self._orig_resize
-
-        def resize_(st, size):
-            out = orig(st, size)
-            probe._update(st)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
+        self._resizes = watch_storage_resizes(self._update).__enter__()
         self._watch.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._orig_resize
+        self._resizes.__exit__(*exc)
         self._watch.__exit__(*exc)
         return super().__exit__(*exc)
 
