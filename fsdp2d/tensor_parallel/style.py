@@ -17,7 +17,7 @@ placement), ``output_layouts`` any layout torch accepts for the style, and
 from __future__ import annotations
 
 import types
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
@@ -152,20 +151,15 @@ def job_keywords() -> dict:
                                    x.transpose(0, 1).contiguous(), _seq(0), _full),  # (T, B, C)
         "sequence_dim=1 local": (nn.LayerNorm(16), SequenceParallel(use_local_output=True), x, _seq(1), _gather(1)),
         "PrepareModuleInputOutput": (nn.Sequential(nn.LayerNorm(16)),
-                                     {"": PrepareModuleInputOutput(input_layouts=Shard(1),
-                                                                   desired_input_layouts=Replicate(),
-                                                                   use_local_input=True,
-                                                                   output_layouts=Replicate(),
-                                                                   desired_output_layouts=Shard(1))},
+                                     PrepareModuleInputOutput(input_layouts=Shard(1),
+                                                              desired_input_layouts=Replicate(),
+                                                              use_local_input=True,
+                                                              output_layouts=Replicate(),
+                                                              desired_output_layouts=Shard(1)),
                                      x, _seq(1), _gather(1)),
     }
     out = {}
-    for name, (module, style, inp, shard, whole) in cases.items():
-        plan = {name_: s for name_, s in style.items()} if isinstance(style, dict) else style
-        if isinstance(plan, dict) and "" in plan:
-            from fsdp2d import parallelize_module  # a style for the root module itself
-
-            plan = plan[""]
+    for name, (module, plan, inp, shard, whole) in cases.items():  # plan: a style or {fqn: style}
         out[name] = _run(module, plan, inp, shard, whole)
     return out
 
