@@ -2,10 +2,10 @@
 
 ``fsdp2d train --model.init_from=HF`` on the 2 x 2 mesh of configs/debug_cpu.toml, two
 steps at lr 1e-7, then the run's ``hf/`` export loaded by ``transformers``. The HF
-Llama has a tied head (trained untied: both copies start from the embedding). Checks:
-the export's logits equal the original model's to 1e-4 relative (two Adam steps of
-~1e-7 move the weights by ~2e-7, far below that; a model that was not loaded from the
-folder, or an export that misplaces a tensor, is O(1) off), and its config is untied.
+Llama has a tied head, kept tied through TP and fully_shard. Checks: the export's
+logits equal the original model's to 1e-4 relative (two Adam steps of ~1e-7 move the
+weights by ~2e-7, far below that; a model that was not loaded from the folder, or an
+export that misplaces a tensor, is O(1) off), and its config is still tied.
 """
 
 import json
@@ -37,7 +37,11 @@ def test_init_from_hf_train_export(tmp_path):
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "run" / "hf"
-    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:  # one tensor: the run kept it tied
+        assert "lm_head.weight" not in set(f.keys()) and "model.embed_tokens.weight" in set(f.keys())
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     err = H.rel_err(H.hf_logits(out, x), H.hf_logits(tmp_path / "hf_in", x))
     assert err < 1e-4, f"export vs the HF model it started from: rel error {err:.2e}"

@@ -31,10 +31,9 @@ def _read(path: str) -> tuple[str, Any]:
 
 def hf_args(m: ModelConfig) -> Any:
     """The model arguments of ``m.init_from``; Llama's RoPE table follows ``max_seq_len``.
-    A tied head is trained untied (both start from the embedding; ``fully_shard`` does
-    not accept tied weights yet), so the HF export writes ``lm_head.weight`` too."""
+    A tied head stays tied (TP shards the tensor once, ``fully_shard`` on the root owns
+    it once) and the HF export says so."""
     arch, args = _read(m.init_from)
-    args.tie_embeddings = False
     if arch == "llama":
         args.max_seq_len = m.max_seq_len
     return args
