@@ -120,6 +120,21 @@ def test_tp2d_tutorial_on_fsdp2d_equals_torch(pool, tmp_path, tp2d_torch):
         assert r["losses"] == pytest.approx(t["losses"], rel=1e-6, abs=0), rank
 
 
+def test_tp2d_tutorial_with_fully_shard_on_fsdp2d_equals_torch(pool, tmp_path, tp2d_torch):
+    """The 2D tutorial as upstream now writes it (FSDP2's fully_shard over TP instead of
+    FSDP1: the two FSDP1 lines replaced, see _clients.TP2D_FULLY_SHARD), every other import
+    switched to fsdp2d: q/k/v at the attention call equal one process's exactly, and the 3
+    losses equal torch's run (FSDP1 + DTensor TP) within 1e-6 relative (sums of 8x256x32000
+    logits in another order: an ulp or two of fp32)."""
+    code = C.prepare("tensor_parallelism", tmp_path / "tp2d_fs", C.TP2D_FULLY_SHARD,
+                     C.without_fsdp1(C.TP2D_IMPORTS), C.without_fsdp1(C.TP2D_CPU), C.TP2D_STEPS)
+    ours = pool.run(C.run_tp2d_tutorial, str(code), 1234, timeout=900)
+    for rank, (r, t) in enumerate(zip(ours, tp2d_torch)):
+        assert "error" not in r, (rank, r["error"])
+        assert r["qkv_max_diff"] == [0.0, 0.0, 0.0], (rank, r["qkv_max_diff"])
+        assert r["losses"] == pytest.approx(t["losses"], rel=1e-6, abs=0), rank
+
+
 def test_local_heads_attention_patch_on_torch_tp(pool):
     """The attention patch the 2D harness applies to both sides (tests/dist/_clients.py:
     local_heads_sdpa), on torch's own TP with DTensor q/k/v viewed with the global head
