@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._group import FSDPParamGroup, MixedPrecisionPolicy
+from ._group import FSDPParamGroup
+from ._policy import MixedPrecisionPolicy
 
 
 class _Context:

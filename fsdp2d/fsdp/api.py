@@ -21,7 +21,8 @@ from torch import nn
 from .._dtensor import local_of
 from ..tensor_parallel._params import tp_params
 from ..mesh import DeviceMesh
-from ._group import CPUOffloadPolicy, FSDPParamGroup, MixedPrecisionPolicy, OffloadPolicy
+from ._group import FSDPParamGroup
+from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._param import FSDPParam
 from ._state import FSDPState
 
