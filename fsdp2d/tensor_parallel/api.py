@@ -100,21 +100,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         )
     if parallelize_plan is None:
         return module
-    for name, mod in module.named_modules():
-        if getattr(mod, "_fsdp2d_fsdp", None) is not None or getattr(mod, "_fsdp2d_fsdp_owner", None) is not None:
-            raise RuntimeError(
-                f"parallelize_module after fully_shard: module {name or '<root>'!r} is already "
-                f"fully sharded. Apply tensor parallelism first, then fully_shard"
-            )
-    if isinstance(parallelize_plan, ParallelStyle):
-        targets = [("", module, parallelize_plan)]
-    else:
-        targets = _resolve(module, parallelize_plan)
-    for fqn, mod, style in targets:
-        style.validate(mod, fqn)
-        for pname in getattr(mod, "_fsdp2d_tp", {}):
-            raise ValueError(f"parallelize_module: parameter {fqn}.{pname} is already tensor-parallel")
-    _check_ties(module, targets)
+    targets = _validated_targets(module, parallelize_plan)
     token = TIES.set({})  # tied parameters are sharded once and stay one object
     try:
         for fqn, mod, style in targets:
@@ -124,6 +110,25 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     finally:
         TIES.reset(token)
     return module
+
+
+def _validated_targets(module: nn.Module, plan: ParallelStyle | Mapping[str, ParallelStyle]
+                       ) -> list[tuple[str, nn.Module, ParallelStyle]]:
+    """(fqn, module, style) for every module the plan names, after every check that can
+    fail: nothing has changed yet when one raises."""
+    for name, mod in module.named_modules():
+        if getattr(mod, "_fsdp2d_fsdp", None) is not None or getattr(mod, "_fsdp2d_fsdp_owner", None) is not None:
+            raise RuntimeError(
+                f"parallelize_module after fully_shard: module {name or '<root>'!r} is already "
+                f"fully sharded. Apply tensor parallelism first, then fully_shard"
+            )
+    targets = [("", module, plan)] if isinstance(plan, ParallelStyle) else _resolve(module, plan)
+    for fqn, mod, style in targets:
+        style.validate(mod, fqn)
+        for pname in getattr(mod, "_fsdp2d_tp", {}):
+            raise ValueError(f"parallelize_module: parameter {fqn}.{pname} is already tensor-parallel")
+    _check_ties(module, targets)
+    return targets
 
 
 def _check_ties(module: nn.Module, targets: list[tuple[str, nn.Module, ParallelStyle]]) -> None:
