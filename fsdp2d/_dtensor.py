@@ -28,7 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from .mesh import DeviceMesh
 from .placement import Layout, Partial, Placement, Shard
 
-__all__ = ["spec_of", "as_dtensor", "local_of", "is_dtensor", "layout_of", "install_load_hook", "install_rest_hooks"]
+__all__ = ["spec_of", "as_dtensor", "local_of", "layout_of", "install_load_hook", "install_rest_hooks"]
 
 
 def _torch_placement(p: Placement):
@@ -70,10 +70,6 @@ def as_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = Fal
         meta = spec.tensor_meta
         spec = DTensorSpec(spec.mesh, spec.placements, TensorMeta(meta.shape, meta.stride, local.dtype))
     return DTensor(local, spec, requires_grad=requires_grad)
-
-
-def is_dtensor(t: object) -> bool:
-    return isinstance(t, DTensor)
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .. import _collectives as C
+from .._dtensor import _torch_placement
 from ..mesh import DeviceMesh
 from ..placement import Box, Layout, Partial, Replicate, Shard, chunk_range
 from ._layout import fsdp_layout
@@ -177,14 +178,6 @@ class DTensorExtensions:
         return gather_full(tensor.tensor, tensor.layout, mesh)
 
 
-def _to_torch_placement(p: Any) -> Any:
-    from torch.distributed.tensor import Partial as TPartial, Replicate as TReplicate, Shard as TShard
-
-    if isinstance(p, Shard):
-        return TShard(p.dim)
-    return TPartial() if isinstance(p, Partial) else TReplicate()
-
-
 def _from_torch_placement(p: Any) -> Any:
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -216,7 +209,7 @@ def _torch_placements(layout: Layout) -> list:
     """The torch placements with the same data layout as ``layout`` (see :func:`to_dtensor`)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    placements = [_to_torch_placement(p) for p in layout.placements]
+    placements = [_torch_placement(p) for p in layout.placements]
     by_dim: dict[int, list[int]] = {}
     for axis, p in enumerate(layout.placements):
         if isinstance(p, Shard):
