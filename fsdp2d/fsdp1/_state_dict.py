@@ -261,7 +261,9 @@ def _pre_load_state_dict(unit: nn.Module, state_dict: dict, prefix: str, *args: 
 
 def install_hooks(unit: nn.Module) -> None:
     unit._register_state_dict_hook(_post_state_dict)
-    unit._register_load_state_dict_pre_hook(_pre_load_state_dict)
+    # with_module=True: the hook's first argument is the unit (torch's default passes
+    # the state dict first).
+    unit._register_load_state_dict_pre_hook(_pre_load_state_dict, with_module=True)
 
 
 # -- summon_full_params ---------------------------------------------------------------------
