@@ -234,8 +234,8 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict | None = None,
                          group: Any = None) -> dict:
-        from ._optim import optim_state_dict
-        return optim_state_dict(model, optim, optim_state_dict)
+        from . import _optim  # not `from ._optim import optim_state_dict`: that would shadow the argument
+        return _optim.optim_state_dict(model, optim, optim_state_dict)
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict,
