@@ -181,7 +181,7 @@ class FullyShardedDataParallel(nn.Module):
                 if id(p) in seen:
                     continue
                 seen.add(id(p))
-            elif summoned:
+            if summoned:  # flat parameters too (rank0_only leaves them on the other ranks)
                 name = name.replace("_fsdp_wrapped_module.", "")
             yield name, p
 
