@@ -81,7 +81,9 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
                 out = {}
                 for name, value in param_state.items():
                     if not isinstance(value, torch.Tensor) or value.dim() == 0 or p is None:
-                        out[name] = value
+                        # A copy, as torch's: the live ``step`` tensor would keep counting after
+                        # the snapshot (and an optimizer loading it would share the counter).
+                        out[name] = value.detach().clone() if isinstance(value, torch.Tensor) else value
                         continue
                     dt = as_dtensor(_piece(p, unit, value), p.sharded._spec)
                     if kind == StateDictType.FULL_STATE_DICT:
