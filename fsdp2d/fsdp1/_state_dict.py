@@ -13,6 +13,11 @@ own and put it back on load). Values by ``state_dict_type``:
   on the (tp, dp) mesh). Either writes with DCP and reads back on any mesh.
 - ``LOCAL_STATE_DICT``: ``<unit>._flat_param``, this rank's flat storage as a
   ``ShardedTensor``; loads only into the same wrapping on the same number of ranks.
+  fsdp2d's flat storage is each parameter's own dim-0 chunk, back to back; torch's is a
+  chunk of all parameters flattened end to end: the same sizes whenever every dim 0
+  divides by the ranks, different contents. So the state dict's metadata records the
+  layout (ranks, parameters, shapes) and loading checks it: torch's local state dicts
+  and other wrappings fail loudly instead of loading permuted values.
 """
 
 from __future__ import annotations
@@ -196,6 +201,35 @@ def _own_buffers(unit: nn.Module) -> list[tuple[str, torch.dtype]]:
             for path, m in inner.named_modules() for name in m._buffers if (id(m), name) in dtypes]
 
 
+_LAYOUT_KEY = "fsdp2d_flat_layout"
+
+
+def _flat_layout(group) -> list:
+    """What a unit's flat storage holds on each rank: the shard-axis size, each rank's
+    element count, and the parameters (name, shape) in storage order."""
+    return [group.k, group.total, [[p.fqn, list(p.unsharded_shape)] for p in group.params]]
+
+
+def _check_flat_layout(unit: nn.Module, prefix: str, local_metadata: dict) -> None:
+    """LOCAL_STATE_DICT load: the saved layout (in the state dict's ``_metadata``) must be
+    this unit's. A state dict without ``_metadata`` (e.g. rebuilt as a plain dict) has
+    only the element-count check after this."""
+    if not local_metadata:
+        return
+    saved, mine = local_metadata.get(_LAYOUT_KEY), _flat_layout(unit._fsdp1_group)
+    where = f"load_state_dict (LOCAL_STATE_DICT): {prefix}_flat_param"
+    if saved is None:
+        raise ValueError(f"{where} was not written by fsdp2d's FullyShardedDataParallel (torch's FSDP1 lays out "
+                         f"its flat parameter differently); move state between implementations with "
+                         f"SHARDED_STATE_DICT or FULL_STATE_DICT")
+    if saved != mine:
+        def what(layout: list) -> str:
+            names = [n for n, _ in layout[2]]
+            return f"{layout[0]} ranks, parameters {names[:4]}" + (f" and {len(names) - 4} more" if names[4:] else "")
+        raise ValueError(f"{where} was written for {what(saved)}; this unit has {what(mine)}: a local state dict "
+                         f"loads only into the same wrapping on the same ranks; use SHARDED_STATE_DICT to reshard")
+
+
 def _post_state_dict(unit: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     settings = unit._fsdp1_settings
     kind, cfg = settings.state_dict_type, settings.state_dict_config
@@ -221,6 +255,7 @@ def _post_state_dict(unit: nn.Module, state_dict: dict, prefix: str, local_metad
         k = group.k
         state_dict[prefix + "_flat_param"] = chunk_sharded(flat, (k * group.total,),
                                                            unit._fsdp1_mesh.get_group(unit._fsdp1_mesh.ndim - 1))
+        local_metadata[_LAYOUT_KEY] = _flat_layout(group)
     for key in [k for k in state_dict if k.startswith(prefix + PREFIX)]:
         state_dict[prefix + key[len(prefix + PREFIX):]] = state_dict.pop(key)
     if kind == StateDictType.FULL_STATE_DICT and cfg.rank0_only and dist.get_rank() != 0:
@@ -240,6 +275,7 @@ def _pre_load_state_dict(unit: nn.Module, state_dict: dict, prefix: str, *args: 
         value = state_dict.pop(prefix + PREFIX + "_flat_param", None)
         if value is None:
             raise KeyError(f"load_state_dict (LOCAL_STATE_DICT): no {prefix}_flat_param")
+        _check_flat_layout(unit, prefix, args[0] if args else {})
         local = value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else local_of(value)
         flat = next(iter(group.flats.values()))
         if local.numel() != flat.numel():
