@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import threading
 from typing import Any, Iterator
 
@@ -39,7 +40,7 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
 from torch.distributed.tensor import DTensor
 
 from .. import _collectives as C
-from .._dtensor import as_dtensor, local_of
+from .._dtensor import as_dtensor, layout_of, local_of
 from ..bridge import gather_full
 from ..placement import chunk_range
 
@@ -149,31 +150,42 @@ def _sharded_value(unit: nn.Module, p, value: DTensor) -> torch.Tensor:
 
 
 def _local_of_sharded(unit: nn.Module, p, key: str, value: Any) -> torch.Tensor:
-    """This rank's shard of parameter ``p`` from a loaded SHARDED value (ShardedTensor
-    or DTensor), checked against the rows this rank owns."""
+    """This rank's shard of parameter ``p`` from a loaded SHARDED value (ShardedTensor,
+    DTensor, or a full plain tensor), checked against the box this rank owns in global
+    coordinates (for TP parameters that is the FSDP chunk of the TP shard)."""
+    box = layout_of(p.sharded)
     if isinstance(value, DTensor):
+        if value.device_mesh != p.sharded.device_mesh:
+            # Another model's mesh (torch's FSDP1 + TP puts its values on its own (dp, tp)
+            # mesh): DTensor cannot redistribute across meshes, so gather this one tensor
+            # whole and slice this rank's box.
+            return box.shard(value.full_tensor())
         if value._spec.placements != p.sharded._spec.placements or tuple(value.shape) != tuple(p.sharded.shape):
             value = value.redistribute(p.sharded.device_mesh, p.sharded.placements)
         return local_of(value)
     if isinstance(value, ShardedTensor):
         shards = value.local_shards()
-        start, n = p.shard_rows
         if tuple(value.size()) != tuple(p.sharded.shape):
             raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.size())}, the model's parameter "
                              f"{tuple(p.sharded.shape)}")
+        offset, shape = list(box.global_offset), list(box.local_shape)
         if not shards:
-            if n:
-                raise ValueError(f"load_state_dict: {key!r} has no shard on this rank, which owns rows "
-                                 f"[{start}, {start + n}); load it with torch.distributed.checkpoint into "
+            if math.prod(shape):
+                raise ValueError(f"load_state_dict: {key!r} has no shard on this rank, which owns the box at "
+                                 f"{offset} of shape {shape}; load it with torch.distributed.checkpoint into "
                                  f"this model's own state_dict()")
             return torch.empty(p.shard_shape, dtype=value.dtype, device=p.sharded.device)
         md = shards[0].metadata
-        if len(shards) != 1 or md.shard_offsets[0] != start or md.shard_sizes[0] != n:
-            raise ValueError(f"load_state_dict: {key!r} holds rows at offset {md.shard_offsets[0]} of size "
-                             f"{md.shard_sizes[0]} on this rank, which owns [{start}, {start + n}); load it "
-                             f"with torch.distributed.checkpoint into this model's own state_dict()")
+        if len(shards) != 1 or list(md.shard_offsets) != offset or list(md.shard_sizes) != shape:
+            raise ValueError(f"load_state_dict: {key!r} holds the box at {list(md.shard_offsets)} of shape "
+                             f"{list(md.shard_sizes)} on this rank, which owns the one at {offset} of shape "
+                             f"{shape}; load it with torch.distributed.checkpoint into this model's own "
+                             f"state_dict()")
         return shards[0].tensor
-    return p.shard_of(value) if tuple(value.shape) == p.unsharded_shape else value
+    if tuple(value.shape) == tuple(p.sharded.shape):
+        return box.shard(value)  # a full tensor
+    raise ValueError(f"load_state_dict: {key!r} is a plain tensor of shape {tuple(value.shape)}; SHARDED_STATE_DICT "
+                     f"takes ShardedTensors, DTensors or the full {tuple(p.sharded.shape)} tensor")
 
 
 def _own_params(unit: nn.Module) -> list[tuple[str, Any]]:
@@ -293,6 +305,13 @@ def _pre_load_state_dict(unit: nn.Module, state_dict: dict, prefix: str, *args: 
             if value is not None and not (isinstance(value, DTensor) and value._spec == p.sharded._spec):
                 local = _local_of_sharded(unit, p, prefix + key, value)
                 state_dict[prefix + key] = as_dtensor(local.to(p.sharded.device, p.sharded.dtype), p.sharded._spec)
+        return
+    for key, p in _own_params(unit):  # FULL_STATE_DICT: full tensors, sliced by the engine's load hook
+        value = state_dict.get(prefix + key)
+        if isinstance(value, DTensor) and value.device_mesh != p.sharded.device_mesh:
+            # torch's FSDP1 + TP gives TP parameters as DTensors on its own tp mesh; the
+            # engine's load hook takes full tensors (DTensor cannot copy across meshes).
+            state_dict[prefix + key] = value.full_tensor()
 
 
 def install_hooks(unit: nn.Module) -> None:
