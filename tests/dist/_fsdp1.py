@@ -1,0 +1,254 @@
+"""Worker side of the FSDP1 parity tests: one training script, two implementations.
+
+:func:`train` is a script written for torch's FSDP1 (``FullyShardedDataParallel`` with
+``transformer_auto_wrap_policy``, optionally over a TP model): the only thing ``impl``
+changes is where its names are imported from (:func:`imports`): torch's
+``torch.distributed.fsdp`` / ``.wrap`` / ``device_mesh`` / ``tensor.parallel``, or
+``fsdp2d.fsdp1`` / ``fsdp2d.wrap`` / ``fsdp2d``. Every rank builds the same model from
+the same seed and trains 10 AdamW steps on its data-parallel slice of the same global
+batch; the job returns the global losses, full (gathered) gradients at the first and
+last step and the final full parameters, which the test compares across the two
+implementations. :func:`reference` trains the plain model on the whole global batch.
+
+The instrumentation that reads results back (:func:`full_grads`, :func:`full_params`)
+uses FSDP1's public API on both sides (``summon_full_params``); only gradients under
+``use_orig_params=False`` need implementation internals, since torch rejects
+``summon_full_params(with_grads=True)`` there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .pool import get_mesh
+
+VOCAB, SEQ, BATCH, LR = 96, 8, 8, 1e-2
+# See _parity.EPS: eps=1e-6 keeps Adam from amplifying rounding in near-zero gradients.
+EPS = 1e-6
+HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+GRAD_STEPS = (0, 9)  # steps whose gradients are snapshotted (first, last)
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str = "llama"               # "llama" or "gpt2"
+    strategy: str = "FULL_SHARD"       # a ShardingStrategy member name
+    mp: bool = False                   # bf16 params, fp32 reduce
+    microbatches: int = 1              # >1: gradient accumulation under no_sync()
+    use_orig_params: bool = True
+    tp: bool = False                   # TP on a 2x2 (dp, tp) mesh, FSDP1 over dp
+    steps: int = 10
+
+
+def imports(impl: str) -> SimpleNamespace:
+    """The names the script uses, from torch (``impl="torch"``) or fsdp2d."""
+    if impl == "torch":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (FullyShardedDataParallel, MixedPrecision,
+                                            ShardingStrategy)
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+    elif impl == "fsdp2d":
+        from fsdp2d import (ColwiseParallel, Replicate, RowwiseParallel, init_device_mesh,
+                            parallelize_module)
+        from fsdp2d.fsdp1 import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+        from fsdp2d.wrap import transformer_auto_wrap_policy
+    else:
+        raise ValueError(f"impl must be 'torch' or 'fsdp2d', not {impl!r}")
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k != "impl"})
+
+
+_TORCH_MESHES: dict = {}
+
+
+def mesh_for(api: SimpleNamespace, impl: str, shape: tuple, names: tuple):
+    """``api.init_device_mesh("cpu", shape, mesh_dim_names=names)``, once per worker
+    (gloo groups are expensive and leak sockets when created per test)."""
+    if impl == "fsdp2d":
+        return get_mesh(shape, names)  # the pool's cache of fsdp2d.init_device_mesh
+    key = (shape, names)
+    if key not in _TORCH_MESHES:
+        _TORCH_MESHES[key] = api.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _TORCH_MESHES[key]
+
+
+def build(kind: str) -> tuple[torch.nn.Module, type]:
+    """The tiny model (same weights on every rank) and its transformer block class."""
+    from fsdp2d.models import GPT2, GPT2Args, Llama, LlamaArgs
+    from fsdp2d.models.gpt2 import Block
+    from fsdp2d.models.llama import TransformerBlock
+
+    torch.manual_seed(1234)
+    if kind == "llama":  # ffn hidden 40, vocab 96: uneven over 4 ranks on purpose
+        return Llama(LlamaArgs(dim=32, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=VOCAB,
+                               multiple_of=8, max_seq_len=SEQ)), TransformerBlock
+    return GPT2(GPT2Args(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, block_size=SEQ)), Block
+
+
+def tp_plan(kind: str, api: SimpleNamespace) -> dict:
+    """Megatron-style TP plan (replicated residual stream and logits) from ``api``'s styles."""
+    col, row, rep = api.ColwiseParallel, api.RowwiseParallel, api.Replicate
+    if kind == "llama":
+        emb, head, prefix = "tok_embeddings", "output", "layers.*."
+        cols = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+        rows = ("attention.wo", "feed_forward.w2")
+    else:
+        emb, head, prefix = "wte", "lm_head", "h.*."
+        cols, rows = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
+    plan = {emb: row(input_layouts=rep(), output_layouts=rep()), head: col(output_layouts=rep())}
+    plan.update({prefix + n: col() for n in cols})
+    plan.update({prefix + n: row() for n in rows})
+    return plan
+
+
+def batch_for(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch ``(BATCH, SEQ)`` inputs and targets."""
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone()
+
+
+def full_params(api: SimpleNamespace, model) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded, by its original name."""
+    with api.FullyShardedDataParallel.summon_full_params(model):
+        return {_clean(n): _full(p) for n, p in model.named_parameters()}
+
+
+def full_grads(api: SimpleNamespace, impl: str, model, s: Setup) -> dict[str, torch.Tensor]:
+    """Every gradient, unsharded, by its original parameter's name."""
+    if s.use_orig_params:
+        with api.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+            return {_clean(n): _full(p.grad) for n, p in model.named_parameters()}
+    return _flat_grads_torch(api, model) if impl == "torch" else _flat_grads_fsdp2d(api, model)
+
+
+def _flat_grads_torch(api: SimpleNamespace, model) -> dict[str, torch.Tensor]:
+    """torch FSDP1 ``use_orig_params=False``: all-gather each FlatParameter's gradient
+    shard over its sharding group and split it at the original parameters' boundaries."""
+    out = {}
+    for unit in api.FullyShardedDataParallel.fsdp_modules(model):
+        handle = unit._handle
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        shard = flat.grad if flat.grad is not None else torch.zeros_like(flat)
+        group = unit.process_group
+        if handle.uses_sharded_strategy:
+            pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(pieces, shard.contiguous(), group=group)
+            shard = torch.cat(pieces)
+        prefix = _prefix_of(model, unit)
+        offset = 0
+        for fqn, shape, numel, is_pad in _views(flat):
+            if not is_pad:
+                out[prefix + fqn] = shard[offset:offset + numel].view(shape).float().clone()
+            offset += numel
+    return out
+
+
+def _views(flat):
+    """(fqn, shape, numel, is_padding) of each segment of a torch FlatParameter."""
+    fqns, shapes = iter(flat._fqns), iter(flat._shapes)
+    for numel, is_pad in zip(flat._numels_with_padding, flat._is_padding_mask):
+        if is_pad:
+            yield None, None, numel, True
+        else:
+            yield next(fqns), next(shapes), numel, False
+
+
+def _prefix_of(model, unit) -> str:
+    for name, m in model.named_modules():
+        if m is unit:
+            name = _clean(name)
+            return name + "." if name else ""
+    raise KeyError("FSDP unit not found in the model")
+
+
+def _flat_grads_fsdp2d(api: SimpleNamespace, model) -> dict[str, torch.Tensor]:
+    raise NotImplementedError("fsdp2d use_orig_params=False gradient read-back")
+
+
+def train(impl: str, s: Setup) -> dict:
+    """The FSDP1 script: build, (TP,) wrap, 10 AdamW steps; losses, grads, final params."""
+    torch.set_num_threads(1)
+    api = imports(impl)
+    FSDP = api.FullyShardedDataParallel
+    model, block_cls = build(s.model)
+    device_mesh, dp_rank, dp_size = None, dist.get_rank(), dist.get_world_size()
+    if s.tp:
+        mesh = mesh_for(api, impl, (2, 2), ("dp", "tp"))
+        api.parallelize_module(model, mesh["tp"], tp_plan(s.model, api))
+        device_mesh = mesh["dp"]
+        dp_rank, dp_size = device_mesh.get_local_rank(), device_mesh.size()
+    elif s.strategy in HYBRID:  # replicate across the 2 groups, shard within each
+        device_mesh = mesh_for(api, impl, (2, 2), ("replicate", "shard"))
+    mp = api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if s.mp else None
+    model = FSDP(model, sharding_strategy=getattr(api.ShardingStrategy, s.strategy),
+                 auto_wrap_policy=functools.partial(api.transformer_auto_wrap_policy,
+                                                    transformer_layer_cls={block_cls}),
+                 mixed_precision=mp, use_orig_params=s.use_orig_params,
+                 device_id=torch.device("cpu"), device_mesh=device_mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=EPS, foreach=False)
+    losses, grads = [], {}
+    for step in range(s.steps):
+        x, y = batch_for(step)
+        x, y = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
+        total = torch.zeros(())
+        for m, (xm, ym) in enumerate(zip(x.chunk(s.microbatches), y.chunk(s.microbatches))):
+            sync = m == s.microbatches - 1
+            with model.no_sync() if not sync else contextlib.nullcontext():
+                loss = F.cross_entropy(model(xm).flatten(0, 1).float(), ym.flatten()) / s.microbatches
+                loss.backward()
+            total += loss.detach()
+        losses.append(total)
+        if step in GRAD_STEPS:
+            grads[step] = full_grads(api, impl, model, s)
+        opt.step()
+        opt.zero_grad()
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)  # mean over dp slices (TP ranks of a slice count it equally)
+    return {"losses": (losses / dist.get_world_size()).tolist(), "grads": grads,
+            "params": full_params(api, model)}
+
+
+def run_both(setups: list[Setup], impls=("torch", "fsdp2d")) -> dict:
+    """Pool job: every setup under every impl, results keyed ``(setup, impl)``.
+
+    Exceptions propagate (the pool names the rank and kills the job): a rank that
+    swallowed one would leave its peers blocked in a collective."""
+    return {(s, impl): train(impl, s) for s in setups for impl in impls}
+
+
+def reference(kind: str, steps: int = 10) -> dict:
+    """The plain model trained on the whole global batch (single process semantics)."""
+    torch.set_num_threads(1)
+    model, _ = build(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=EPS, foreach=False)
+    losses = []
+    for step in range(steps):
+        x, y = batch_for(step)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
