@@ -23,3 +23,15 @@ __all__ = [
     "fsdp_params", "summon_full_params", "DTensorExtensions", "LocalShard", "gather_full", "to_dtensor",
     "from_dtensor", "clip_grad_norm_",
 ]
+
+
+def __getattr__(name: str):
+    # The FSDP1 front end imports torch.distributed.fsdp (for its config objects): loaded
+    # on first use, not with every `import fsdp2d`.
+    if name == "FullyShardedDataParallel":
+        from .fsdp1 import FullyShardedDataParallel
+        return FullyShardedDataParallel
+    if name in ("fsdp1", "wrap"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'fsdp2d' has no attribute {name!r}")

@@ -78,6 +78,12 @@ class FSDPParamGroup:
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
         self._flags: tuple | None = None  # (key, has-gradient flags) when every trainable one is present
+        # FSDP1 front end (fsdp2d.fsdp1): grad_dtype keeps gradients in another dtype than the
+        # parameters' (keep_low_precision_grads); flat_param, when set, is one DTensor
+        # Parameter over the flat storage that receives one flat gradient instead of the
+        # per-parameter ones (use_orig_params=False).
+        self.grad_dtype: torch.dtype | None = None
+        self.flat_param: torch.nn.Parameter | None = None
         self.compute_device = params[0].sharded.device if params else torch.device("cpu")
         self._build_flat(self.compute_device)
 
@@ -126,6 +132,8 @@ class FSDPParamGroup:
             p.make_unsharded(self.param_dtype, device)
         self._sync_requires_grad()
         self.compute_device = device
+        if self.flat_param is not None:  # rebuilt storage: the flat parameter follows it
+            self.flat_param._local_tensor = next(iter(self.flats.values()))
 
     def _sync_requires_grad(self) -> None:
         """Follow ``requires_grad`` changes made after ``fully_shard`` (freezing layers)."""
@@ -321,12 +329,20 @@ class FSDPParamGroup:
         # no need to read the flags (no host sync in a normal step, frozen parameters or
         # not). Otherwise the flags say which parameters some rank had a gradient for (all
         # ranks agree); the others keep .grad None, as in torch.
+        if self.flat_param is not None:  # one flat gradient (zeros where a rank had none)
+            flat = self.flat_param
+            g = out[:self.total].to(flat.device, self.grad_dtype or flat.dtype, non_blocking=True)
+            if flat.grad is None:
+                flat.grad = as_dtensor(g, flat._spec)
+            else:
+                local_of(flat.grad).add_(g)
+            return
         had_grad = [float(p.requires_grad) for p in self.params] if all_had else out[self.total:].tolist()
         for p, flag in zip(self.params, had_grad):
             if flag <= 0:
                 continue
             g = out[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
-            g = g.to(p.sharded.device, p.sharded.dtype, non_blocking=True)
+            g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=True)
             current = p.sharded.grad
             if current is None:
                 p.sharded.grad = as_dtensor(g, p.spec(g.dtype))

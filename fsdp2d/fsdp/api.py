@@ -129,19 +129,22 @@ def _world_mesh() -> DeviceMesh:
 _WORLD_MESH: list = []  # [default group, its mesh] for fully_shard without mesh=
 
 
-def _managed(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, str]]:
-    """(fqn, owner module, name) of parameters not managed by an inner fully_shard."""
+def _managed(module: nn.Module, prefix: str = "", ignored: frozenset[int] = frozenset()
+             ) -> Iterator[tuple[str, nn.Module, str]]:
+    """(fqn, owner module, name) of parameters not managed by an inner fully_shard (nor
+    ignored: ids in ``ignored``)."""
     for name, p in module._parameters.items():
-        if p is not None:
+        if p is not None and id(p) not in ignored:
             yield (f"{prefix}{name}", module, name)
     for cname, child in module.named_children():
         if not isinstance(child, FSDPModule):
-            yield from _managed(child, f"{prefix}{cname}.")
+            yield from _managed(child, f"{prefix}{cname}.", ignored)
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                offload_policy: OffloadPolicy = OffloadPolicy()) -> nn.Module:
+                offload_policy: OffloadPolicy = OffloadPolicy(),
+                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """Shard ``module``'s parameters along dim 0 over the data axis of ``mesh``.
 
     Args:
@@ -155,6 +158,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
             The root keeps them (they are needed first in backward).
         mp_policy: parameter / reduce / output dtypes (:class:`MixedPrecisionPolicy`).
         offload_policy: :class:`CPUOffloadPolicy` keeps shards on the CPU (CUDA runs).
+        ignored_params: parameters to leave alone (as torch): not sharded, not moved,
+            their gradients not reduced across ranks.
 
     Returns ``module``, now also an :class:`FSDPModule`.
 
@@ -176,7 +181,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type == "cpu":
         warnings.warn("CPUOffloadPolicy on a CPU mesh: shards already live on the CPU; nothing to offload",
                       stacklevel=2)
-    params = _fsdp_params_of(module, mesh)
+    ignored = frozenset(id(p) for p in ignored_params or ())
+    params = _fsdp_params_of(module, mesh, ignored)
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     group = FSDPParamGroup(params, mesh.get_group(mesh.ndim - 1), replicate, mp_policy, offload_policy,
                            type(module).__name__) if params else None
@@ -192,7 +198,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     return module
 
 
-def _fsdp_params_of(module: nn.Module, mesh: DeviceMesh) -> list[FSDPParam]:
+def _fsdp_params_of(module: nn.Module, mesh: DeviceMesh, ignored: frozenset[int] = frozenset()) -> list[FSDPParam]:
     """FSDP state for each parameter of ``module`` not managed by an inner fully_shard,
     with the process group of every axis of its 2D layout. A tensor held by several
     modules (tied weights) is one FSDPParam that registers on all of them."""
@@ -207,7 +213,7 @@ def _fsdp_params_of(module: nn.Module, mesh: DeviceMesh) -> list[FSDPParam]:
             )
     used = {info.mesh.mesh_dim_names[0] for _, info in tp_params(module)}
     tp_axes = tuple(a for a in mesh.root.mesh_dim_names if a in used)  # root order
-    for fqn, owner, name in _managed(module):
+    for fqn, owner, name in _managed(module, "", ignored):
         current = owner._parameters[name]
         if id(current) in by_id:  # tied: the same tensor again
             by_id[id(current)].aliases.append((owner, name))

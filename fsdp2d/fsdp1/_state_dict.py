@@ -1,0 +1,354 @@
+"""FSDP1 state dicts, ``summon_full_params`` and communication hooks.
+
+Keys never show the ``_fsdp_wrapped_module.`` segments (each unit's hooks strip its
+own and put it back on load). Values by ``state_dict_type``:
+
+- ``FULL_STATE_DICT``: full tensors (gathered over the data axis and, for TP
+  parameters, the tensor axis too); ``rank0_only`` leaves the other ranks' dicts empty;
+  buffers in their own dtype whatever ``MixedPrecision.buffer_dtype``.
+- ``SHARDED_STATE_DICT``: each rank's ``torch.chunk`` piece along dim 0, as torch's FSDP1
+  gives it: a ``ShardedTensor`` (same metadata as torch: one shard per non-empty chunk,
+  placed on the data-parallel group's global ranks), or a ``DTensor`` when the unit
+  was given a ``device_mesh`` or has TP parameters (the parameter's own spec: TP-major
+  on the (tp, dp) mesh). Either writes with DCP and reads back on any mesh.
+- ``LOCAL_STATE_DICT``: ``<unit>._flat_param``, this rank's flat storage as a
+  ``ShardedTensor``; loads only into the same wrapping on the same number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as STShard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, LocalStateDictConfig,
+                                    OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig,
+                                    StateDictConfig, StateDictSettings, StateDictType)
+from torch.distributed.tensor import DTensor
+
+from .. import _collectives as C
+from .._dtensor import as_dtensor, local_of
+from ..bridge import gather_full
+from ..placement import chunk_range
+
+PREFIX = "_fsdp_wrapped_module."
+_LOCAL = threading.local()
+
+
+def _wrapper_cls():
+    from ._wrapper import FullyShardedDataParallel
+    return FullyShardedDataParallel
+
+
+def units(module: nn.Module) -> list:
+    cls = _wrapper_cls()
+    return [m for m in module.modules() if isinstance(m, cls)]
+
+
+# -- state_dict_type ------------------------------------------------------------------------
+_CONFIGS = {StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+            StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+            StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, OptimStateDictConfig)}
+
+
+def default_settings() -> StateDictSettings:
+    return StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+
+
+def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                        state_dict_config: StateDictConfig | None = None,
+                        optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
+    """Set the state-dict type of every FSDP1 unit under ``module``; returns the previous
+    settings (those of the units, which must agree)."""
+    found = units(module)
+    if not found:
+        raise ValueError(f"set_state_dict_type: {type(module).__name__} holds no FullyShardedDataParallel unit")
+    sd_cls, optim_cls = _CONFIGS[state_dict_type]
+    state_dict_config = state_dict_config if state_dict_config is not None else sd_cls()
+    optim_state_dict_config = optim_state_dict_config if optim_state_dict_config is not None else optim_cls()
+    if not isinstance(state_dict_config, sd_cls):
+        raise ValueError(f"set_state_dict_type: {state_dict_type.name} takes a {sd_cls.__name__}, got "
+                         f"{type(state_dict_config).__name__}")
+    previous = found[0]._fsdp1_settings
+    for u in found:
+        if u._fsdp1_settings.state_dict_type != previous.state_dict_type:
+            raise RuntimeError("set_state_dict_type: the FSDP units hold different state-dict types; "
+                               "set them all through the root")
+        u.__dict__["_fsdp1_settings"] = StateDictSettings(state_dict_type, copy.copy(state_dict_config),
+                                                          copy.copy(optim_state_dict_config))
+    return previous
+
+
+def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+    found = units(module)
+    if not found:
+        raise ValueError(f"get_state_dict_type: {type(module).__name__} holds no FullyShardedDataParallel unit")
+    return found[0]._fsdp1_settings
+
+
+@contextlib.contextmanager
+def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                    state_dict_config: StateDictConfig | None = None,
+                    optim_state_dict_config: OptimStateDictConfig | None = None) -> Iterator[None]:
+    previous = set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+    try:
+        yield
+    finally:
+        set_state_dict_type(module, previous.state_dict_type, previous.state_dict_config,
+                            previous.optim_state_dict_config)
+
+
+# -- values ---------------------------------------------------------------------------------
+def uses_dtensor(unit: nn.Module) -> bool:
+    """Sharded values are DTensors (not ShardedTensors) for units given a device_mesh
+    or holding TP parameters, as in torch."""
+    group = unit._fsdp1_group
+    return unit._fsdp1_given_mesh or (group is not None and any(p.tp is not None for p in group.params))
+
+
+def chunk_sharded(local: torch.Tensor, global_shape: tuple[int, ...], group: dist.ProcessGroup) -> ShardedTensor:
+    """``local`` (this rank's ``torch.chunk`` piece along dim 0 over ``group``) as the
+    ShardedTensor torch's FSDP1 builds: one shard per non-empty chunk, no communication."""
+    k, rank = group.size(), group.rank()
+    rows = global_shape[0] if global_shape else 0
+    device = "cuda" if local.device.type == "cuda" else "cpu"
+    shards = []
+    for r in range(k):
+        start, n = chunk_range(rows, k, r)
+        if n == 0 and r > 0:
+            break
+        g = dist.get_global_rank(group, r)
+        placement = f"rank:{g}/cuda:{local.device.index or 0}" if device == "cuda" and g == dist.get_rank() \
+            else (f"rank:{g}/cuda:{g % max(torch.cuda.device_count(), 1)}" if device == "cuda" else f"rank:{g}/cpu")
+        shards.append(ShardMetadata([start] + [0] * (len(global_shape) - 1), [n, *global_shape[1:]], placement))
+    meta = ShardedTensorMetadata(shards, torch.Size(global_shape), TensorProperties(
+        dtype=local.dtype, layout=local.layout, requires_grad=False, memory_format=torch.contiguous_format,
+        pin_memory=False))
+    mine = [STShard.from_tensor_and_offsets(local, shards[rank].shard_offsets, dist.get_rank())] \
+        if rank < len(shards) else []
+    return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=group)
+
+
+def _sharded_value(unit: nn.Module, p, value: DTensor) -> torch.Tensor:
+    local = local_of(value).detach().clone()
+    if uses_dtensor(unit):
+        return as_dtensor(local, value._spec)
+    return chunk_sharded(local, tuple(value.shape), p.mesh.get_group(p.mesh.ndim - 1))
+
+
+def _local_of_sharded(unit: nn.Module, p, key: str, value: Any) -> torch.Tensor:
+    """This rank's shard of parameter ``p`` from a loaded SHARDED value (ShardedTensor
+    or DTensor), checked against the rows this rank owns."""
+    if isinstance(value, DTensor):
+        if value._spec.placements != p.sharded._spec.placements or tuple(value.shape) != tuple(p.sharded.shape):
+            value = value.redistribute(p.sharded.device_mesh, p.sharded.placements)
+        return local_of(value)
+    if isinstance(value, ShardedTensor):
+        shards = value.local_shards()
+        start, n = p.shard_rows
+        if tuple(value.size()) != tuple(p.sharded.shape):
+            raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.size())}, the model's parameter "
+                             f"{tuple(p.sharded.shape)}")
+        if not shards:
+            if n:
+                raise ValueError(f"load_state_dict: {key!r} has no shard on this rank, which owns rows "
+                                 f"[{start}, {start + n}); load it with torch.distributed.checkpoint into "
+                                 f"this model's own state_dict()")
+            return torch.empty(p.shard_shape, dtype=value.dtype, device=p.sharded.device)
+        md = shards[0].metadata
+        if len(shards) != 1 or md.shard_offsets[0] != start or md.shard_sizes[0] != n:
+            raise ValueError(f"load_state_dict: {key!r} holds rows at offset {md.shard_offsets[0]} of size "
+                             f"{md.shard_sizes[0]} on this rank, which owns [{start}, {start + n}); load it "
+                             f"with torch.distributed.checkpoint into this model's own state_dict()")
+        return shards[0].tensor
+    return p.shard_of(value) if tuple(value.shape) == p.unsharded_shape else value
+
+
+def _own_params(unit: nn.Module) -> list[tuple[str, Any]]:
+    """(key under the unit's prefix, FSDPParam) for the unit's parameters and ties."""
+    group = unit._fsdp1_group
+    if group is None:
+        return []
+    inner = unit._fsdp_wrapped_module
+    paths = {id(m): n for n, m in inner.named_modules(remove_duplicate=False)}
+    out = []
+    for p in group.params:
+        for owner, name in [(p.module, p.name), *p.aliases]:
+            path = paths.get(id(owner))
+            if path is not None:
+                out.append((PREFIX + (f"{path}.{name}" if path else name), p))
+    return out
+
+
+def _own_buffers(unit: nn.Module) -> list[tuple[str, torch.dtype]]:
+    dtypes = unit._fsdp1_buffer_dtypes
+    if not dtypes:
+        return []
+    inner = unit._fsdp_wrapped_module
+    return [(PREFIX + (f"{path}.{name}" if path else name), dtypes[(id(m), name)])
+            for path, m in inner.named_modules() for name in m._buffers if (id(m), name) in dtypes]
+
+
+def _post_state_dict(unit: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    settings = unit._fsdp1_settings
+    kind, cfg = settings.state_dict_type, settings.state_dict_config
+    for key, p in _own_params(unit):
+        key = prefix + key
+        value = state_dict.get(key)
+        if not isinstance(value, DTensor):
+            continue
+        if kind == StateDictType.FULL_STATE_DICT:
+            full = gather_full(value.detach())
+            state_dict[key] = full.cpu() if cfg.offload_to_cpu else full
+        elif kind == StateDictType.SHARDED_STATE_DICT:
+            v = _sharded_value(unit, p, value)
+            state_dict[key] = v.cpu() if cfg.offload_to_cpu and not isinstance(v, ShardedTensor) else v
+        else:
+            del state_dict[key]
+    for key, dtype in _own_buffers(unit):
+        if prefix + key in state_dict and kind != StateDictType.LOCAL_STATE_DICT:
+            state_dict[prefix + key] = state_dict[prefix + key].to(dtype)
+    group = unit._fsdp1_group
+    if kind == StateDictType.LOCAL_STATE_DICT and group is not None:
+        flat = next(iter(group.flats.values())).detach()
+        k = group.k
+        state_dict[prefix + "_flat_param"] = chunk_sharded(flat, (k * group.total,),
+                                                           unit._fsdp1_mesh.get_group(unit._fsdp1_mesh.ndim - 1))
+    for key in [k for k in state_dict if k.startswith(prefix + PREFIX)]:
+        state_dict[prefix + key[len(prefix + PREFIX):]] = state_dict.pop(key)
+    if kind == StateDictType.FULL_STATE_DICT and cfg.rank0_only and dist.get_rank() != 0:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            del state_dict[key]
+
+
+def _pre_load_state_dict(unit: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + PREFIX)]:
+        state_dict[prefix + PREFIX + key[len(prefix):]] = state_dict.pop(key)
+    kind = unit._fsdp1_settings.state_dict_type
+    group = unit._fsdp1_group
+    if group is None:
+        return
+    group.to_rest()
+    if kind == StateDictType.LOCAL_STATE_DICT:
+        value = state_dict.pop(prefix + PREFIX + "_flat_param", None)
+        if value is None:
+            raise KeyError(f"load_state_dict (LOCAL_STATE_DICT): no {prefix}_flat_param")
+        local = value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else local_of(value)
+        flat = next(iter(group.flats.values()))
+        if local.numel() != flat.numel():
+            raise ValueError(f"load_state_dict (LOCAL_STATE_DICT): {prefix}_flat_param holds {local.numel()} "
+                             f"elements on this rank, this unit {flat.numel()}: a local state dict loads only "
+                             f"into the same wrapping on the same ranks; use SHARDED_STATE_DICT to reshard")
+        with torch.no_grad():
+            flat.copy_(local.view(-1))
+        for key, p in _own_params(unit):
+            state_dict[prefix + key] = p.sharded
+        return
+    if kind == StateDictType.SHARDED_STATE_DICT:
+        for key, p in _own_params(unit):
+            value = state_dict.get(prefix + key)
+            if value is not None and not (isinstance(value, DTensor) and value._spec == p.sharded._spec):
+                local = _local_of_sharded(unit, p, prefix + key, value)
+                state_dict[prefix + key] = as_dtensor(local.to(p.sharded.device, p.sharded.dtype), p.sharded._spec)
+
+
+def install_hooks(unit: nn.Module) -> None:
+    unit._register_state_dict_hook(_post_state_dict)
+    unit._register_load_state_dict_pre_hook(_pre_load_state_dict)
+
+
+# -- summon_full_params ---------------------------------------------------------------------
+def summon_depth() -> int:
+    return getattr(_LOCAL, "summon", 0)
+
+
+@contextlib.contextmanager
+def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                       offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
+    """The full (data-axis-unsharded; TP stays TP-local, as torch) parameters of every
+    FSDP1 unit under ``module`` (``recurse=False``: of ``module`` alone) registered for
+    reading or editing; on exit edits are written back to the shards (``writeback``).
+    ``rank0_only``: only rank 0 gets them (no writeback). ``offload_to_cpu``: the full
+    copies live on the CPU. ``with_grads``: their ``.grad`` is the full gradient too."""
+    if rank0_only and writeback:
+        raise NotImplementedError("summon_full_params: writeback=True with rank0_only=True is not supported "
+                                  "(as with torch); pass writeback=False")
+    cls = _wrapper_cls()
+    found = units(module) if recurse else ([module] if isinstance(module, cls) else [])
+    if not recurse and not found:
+        raise ValueError("summon_full_params(recurse=False) needs a FullyShardedDataParallel unit")
+    groups = [u._fsdp1_group for u in found if u._fsdp1_group is not None]
+    keep = not rank0_only or dist.get_rank() == 0
+    for g in groups:
+        g.sync_params()
+        g.reshard()
+        grads = _full_grads(g) if with_grads else [None] * len(g.params)
+        for p, full, grad in zip(g.params, g.gather_exact(), grads):
+            if not keep:
+                continue
+            full = nn.Parameter(full.cpu() if offload_to_cpu else full, requires_grad=p.requires_grad)
+            if grad is not None:
+                full.grad = grad.cpu() if offload_to_cpu else grad
+            for owner, name in [(p.module, p.name), *p.aliases]:
+                owner._parameters[name] = full
+    _LOCAL.summon = summon_depth() + 1
+    try:
+        yield
+    finally:
+        _LOCAL.summon = summon_depth() - 1
+        with torch.no_grad():
+            for g in groups:
+                for p in g.params:
+                    if writeback and keep:
+                        current = p.module._parameters[p.name]
+                        local_of(p.sharded).copy_(p.shard_of(current.to(p.sharded.device)))
+                    p.register("sharded")
+
+
+def _full_grads(g) -> list[torch.Tensor | None]:
+    """Each parameter's gradient unsharded over the data axis (None where it has none:
+    the same on every rank, as the reduce decides it collectively)."""
+    out = []
+    flat_grad = g.flat_param.grad if g.flat_param is not None else None
+    for p in g.params:
+        if flat_grad is not None:
+            local = local_of(flat_grad)[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
+        elif p.sharded.grad is not None:
+            local = local_of(p.sharded.grad)
+        else:
+            out.append(None)
+            continue
+        out.append(C.all_gather(local.contiguous(), 0, g.shard_group, global_size=p.unsharded_shape[0]))
+    return out
+
+
+# -- communication hooks --------------------------------------------------------------------
+def register_comm_hook(root: nn.Module, state: object, hook: Any) -> None:
+    """torch's default FSDP1 hooks: ``allreduce_hook`` / ``reduce_scatter_hook`` are what
+    fsdp2d does anyway; ``fp16_compress_hook`` / ``bf16_compress_hook`` reduce gradients
+    in that dtype and give them back in the parameters' dtype. Other hooks raise."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks as D
+
+    dtypes = {D.allreduce_hook: None, D.reduce_scatter_hook: None,
+              D.fp16_compress_hook: torch.float16, D.bf16_compress_hook: torch.bfloat16}
+    if hook not in dtypes:
+        raise NotImplementedError(
+            f"register_comm_hook: fsdp2d runs torch's default hooks (allreduce_hook, reduce_scatter_hook, "
+            f"fp16_compress_hook, bf16_compress_hook) but not {getattr(hook, '__name__', hook)!r}; for low-"
+            f"precision reduction use MixedPrecision(reduce_dtype=...)")
+    if not root.check_is_root():
+        raise AssertionError("register_comm_hook must be called on the root FSDP instance")
+    for u in units(root):
+        if u._fsdp1_mp is not None and dtypes[hook] is not None:
+            raise NotImplementedError("register_comm_hook: a compression hook with MixedPrecision is not "
+                                      "supported (as with torch); set MixedPrecision(reduce_dtype=...) instead")
+        g = u._fsdp1_group
+        if g is not None and dtypes[hook] is not None:
+            g.reduce_dtype = dtypes[hook]
