@@ -11,8 +11,8 @@ last step and the final full parameters, which the test compares across the two
 implementations. :func:`reference` trains the plain model on the whole global batch.
 
 The instrumentation that reads results back (:func:`full_grads`, :func:`full_params`)
-uses FSDP1's public API on both sides (``summon_full_params``); only gradients under
-``use_orig_params=False`` need implementation internals, since torch rejects
+uses FSDP1's public API on both sides (``summon_full_params``); only torch's gradients under ``use_orig_params=False`` need
+its internals (its FlatParameter metadata), since torch rejects
 ``summon_full_params(with_grads=True)`` there.
 """
 
@@ -121,24 +121,41 @@ def _clean(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "")
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def _full(t: torch.Tensor, shape: torch.Size, tp_group) -> torch.Tensor:
+    """A summoned parameter or gradient as its global tensor of ``shape``: torch gives
+    TP-sharded ones as DTensors over the TP mesh, fsdp2d as TP-local plain tensors
+    (gathered here over ``tp_group`` along the dim that differs)."""
     from torch.distributed.tensor import DTensor
 
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone()
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    elif t.shape != shape:
+        dim = next(d for d, (a, b) in enumerate(zip(t.shape, shape)) if a != b)
+        pieces = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
+        dist.all_gather(pieces, t.contiguous(), group=tp_group)
+        t = torch.cat(pieces, dim)
+    assert t.shape == shape, f"summoned shape {tuple(t.shape)}, global {tuple(shape)}"
+    return t.detach().float().clone()
 
 
-def full_params(api: SimpleNamespace, model) -> dict[str, torch.Tensor]:
-    """Every parameter, unsharded, by its original name."""
+def full_params(api: SimpleNamespace, model, ctx: SimpleNamespace) -> tuple[dict, dict]:
+    """Every parameter, unsharded, by its original name; and what ``summon_full_params``
+    showed of each: (is a DTensor, shape)."""
     with api.FullyShardedDataParallel.summon_full_params(model):
-        return {_clean(n): _full(p) for n, p in model.named_parameters()}
+        named = [(_clean(n), p) for n, p in model.named_parameters()]
+        seen = {n: (type(p).__name__ == "DTensor", tuple(p.shape)) for n, p in named}
+        return {n: _full(p, ctx.shapes[n], ctx.tp_group) for n, p in named}, seen
 
 
-def full_grads(api: SimpleNamespace, impl: str, model, s: Setup) -> dict[str, torch.Tensor]:
-    """Every gradient, unsharded, by its original parameter's name."""
-    if s.use_orig_params:
-        with api.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
-            return {_clean(n): _full(p.grad) for n, p in model.named_parameters()}
-    return _flat_grads_torch(api, model) if impl == "torch" else _flat_grads_fsdp2d(api, model)
+def full_grads(api: SimpleNamespace, impl: str, model, s: Setup, ctx: SimpleNamespace) -> dict:
+    """Every gradient, unsharded, by its original parameter's name. torch rejects
+    ``summon_full_params(with_grads=True)`` under ``use_orig_params=False``; fsdp2d
+    accepts it (it splits the flat gradient at the parameters' offsets)."""
+    if impl == "torch" and not s.use_orig_params:
+        return _flat_grads_torch(api, model)
+    with api.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        return {_clean(n): _full(p.grad, ctx.shapes[_clean(n)], ctx.tp_group)
+                for n, p in model.named_parameters()}
 
 
 def _flat_grads_torch(api: SimpleNamespace, model) -> dict[str, torch.Tensor]:
@@ -183,21 +200,18 @@ def _prefix_of(model, unit) -> str:
     raise KeyError("FSDP unit not found in the model")
 
 
-def _flat_grads_fsdp2d(api: SimpleNamespace, model) -> dict[str, torch.Tensor]:
-    raise NotImplementedError("fsdp2d use_orig_params=False gradient read-back")
-
-
 def train(impl: str, s: Setup) -> dict:
     """The FSDP1 script: build, (TP,) wrap, 10 AdamW steps; losses, grads, final params."""
     torch.set_num_threads(1)
     api = imports(impl)
     FSDP = api.FullyShardedDataParallel
     model, block_cls = build(s.model)
+    ctx = SimpleNamespace(shapes={n: p.shape for n, p in model.named_parameters()}, tp_group=None)
     device_mesh, dp_rank, dp_size = None, dist.get_rank(), dist.get_world_size()
     if s.tp:
         mesh = mesh_for(api, impl, (2, 2), ("dp", "tp"))
         api.parallelize_module(model, mesh["tp"], tp_plan(s.model, api))
-        device_mesh = mesh["dp"]
+        device_mesh, ctx.tp_group = mesh["dp"], mesh["tp"].get_group()
         dp_rank, dp_size = device_mesh.get_local_rank(), device_mesh.size()
     elif s.strategy in HYBRID:  # replicate across the 2 groups, shard within each
         device_mesh = mesh_for(api, impl, (2, 2), ("replicate", "shard"))
@@ -221,13 +235,14 @@ def train(impl: str, s: Setup) -> dict:
             total += loss.detach()
         losses.append(total)
         if step in GRAD_STEPS:
-            grads[step] = full_grads(api, impl, model, s)
+            grads[step] = full_grads(api, impl, model, s, ctx)
         opt.step()
         opt.zero_grad()
     losses = torch.stack(losses)
     dist.all_reduce(losses)  # mean over dp slices (TP ranks of a slice count it equally)
-    return {"losses": (losses / dist.get_world_size()).tolist(), "grads": grads,
-            "params": full_params(api, model)}
+    params, summoned = full_params(api, model, ctx)
+    return {"losses": (losses / dist.get_world_size()).tolist(), "grads": grads, "params": params,
+            "summoned": summoned}
 
 
 def run_both(setups: list[Setup], impls=("torch", "fsdp2d")) -> dict:

@@ -20,27 +20,29 @@ with a 4-rank all-reduce (only a UserWarning).
 Tolerances (fp32). The two implementations compute the same math on the same data; they
 differ only in the order of the data-parallel gradient sums (torch pre/post-divides by
 2 around its reduce-scatter, fsdp2d reduce-scatters its own flat layout) and, with TP,
-in its all-reduces: ~1 ulp (1.2e-7 relative) per step. Hence:
-- loss: 1e-6 relative at every step (torch's FSDP1 itself matches a single process to
-  2e-7 here);
-- gradients: at step 0 the weights are bitwise equal, so only the sum order differs:
-  1e-5 relative per tensor, where "relative" is to max(the tensor's norm, 1e-3 x the
-  whole gradient's norm) (see ``_parity.grad_error``: tensors whose gradient nearly
-  cancels, like q/k projections under near-uniform attention, carry rounding of the
-  size of their terms, not of their result). At step 9 the weights have drifted by
-  9 Adam steps of rounding; Adam's g/sqrt(v) update amplifies it (eps 1e-6), so the
-  bound is 1e-4;
-- final parameters: 1e-5 absolute (10 steps of size ~lr = 1e-2; per-step rounding of
-  ~1e-7 relative in the update direction, amplified near |g| ~ eps, stays below 1e-5:
-  torch's FSDP1 against a single process measures 7.5e-6). GPT-2's key bias has a
-  mathematically zero gradient, so Adam turns its rounding noise into updates of up to
-  lr per step: it is bounded by 10 x lr = 0.1 instead.
+in its all-reduces: ~1 ulp (1.2e-7 relative) per step. Measured worst over all cases
+and ranks in brackets.
+- loss: 1e-6 relative at every step [1.0e-7; torch's FSDP1 itself matches a single
+  process to 2e-7].
+- gradients, relative per tensor to max(its norm, 1e-3 x the whole gradient's norm)
+  (as ``_parity.grad_error``: a tensor whose gradient nearly cancels, like GPT-2's key
+  bias, carries rounding of the size of its terms, not of its result). At step 0 the
+  weights are bitwise equal and only the sum order differs: 1e-6 [1.6e-7]. At step 9
+  the weights have drifted by 9 Adam steps of rounding, which Adam's g/sqrt(v) update
+  amplifies (eps 1e-6): 5e-5 [4.3e-6].
+- final parameters: 1e-5 of max(1, the tensor's largest magnitude) [1.7e-6: Llama's
+  embedding, entries up to 4, differs by 6.9e-6, i.e. ~14 ulps of 4.0 after 10 steps;
+  torch's FSDP1 against a single process differs there by 7.5e-6]. GPT-2's key bias
+  has a mathematically zero gradient, so Adam turns its rounding noise into updates of
+  up to lr per step: it is bounded by 10 x lr = 0.1 instead [9.6e-7].
 bf16 params / fp32 reduce: both sides compute in bf16 (8 mantissa bits, 3.9e-3 relative
 step). A master weight a rounding away from a bf16 boundary may cast to a neighbouring
 bf16 value on one side only, moving that product by up to 3.9e-3 relative; a loss
 averages many such products, so 1e-3 relative bounds it; gradients 2e-2 relative;
-parameters 1e-2 absolute (Adam's normalised step turns a 2e-2 gradient difference into
-at most ~2e-2 x lr per step, over 10 steps well under 1e-2).
+parameters 1e-2 (Adam's normalised step turns a 2e-2 gradient difference into at most
+~2e-2 x lr per step, over 10 steps well under 1e-2). [Measured: 0 everywhere: bf16
+gradients have 8-bit mantissas, so their fp32 sums over 4 ranks are exact in any order.]
+The hybrid cases are bitwise equal too (sums of 2 are order-free).
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ CASES = {
 # a failing batch is re-run one case per job, so each case gets its own verdict.
 BATCHES = [list(CASES)[i:i + 4] for i in range(0, len(CASES), 4)]
 
-TOL = {  # (loss rel, grad rel at step 0, grad rel at step 9, param abs); see the docstring
-    "fp32": (1e-6, 1e-5, 1e-4, 1e-5),
+TOL = {  # (loss, grad at step 0, grad at step 9, param): see the docstring and _param_err
+    "fp32": (1e-6, 1e-6, 5e-5, 1e-5),
     "bf16": (1e-3, 2e-2, 2e-2, 1e-2),
 }
 ZERO_GRAD = ("attn.k_proj.bias",)  # mathematically zero gradient (see _parity.ZERO_GRAD)
@@ -106,6 +108,11 @@ def _rel_grad(got: dict, want: dict) -> float:
                for n, g in want.items())
 
 
+def _param_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference, relative to max(1, the tensor's largest magnitude)."""
+    return ((got - want).abs().max() / want.abs().max().clamp(min=1)).item()
+
+
 def compare(mine: dict, theirs: dict) -> dict:
     """Worst differences of ``mine`` against ``theirs`` (torch's)."""
     assert set(mine["params"]) == set(theirs["params"]), (
@@ -114,7 +121,7 @@ def compare(mine: dict, theirs: dict) -> dict:
     for step in J.GRAD_STEPS:
         assert set(mine["grads"][step]) == set(theirs["grads"][step])
         out[f"grad{step}"] = _rel_grad(mine["grads"][step], theirs["grads"][step])
-    diffs = {n: (p - theirs["params"][n]).abs().max().item() for n, p in mine["params"].items()}
+    diffs = {n: _param_err(p, theirs["params"][n]) for n, p in mine["params"].items()}
     out["param"] = max(v for n, v in diffs.items() if not n.endswith(ZERO_GRAD))
     out["param_zero_grad"] = max((v for n, v in diffs.items() if n.endswith(ZERO_GRAD)), default=0.0)
     return out
@@ -143,5 +150,21 @@ def test_fsdp1_matches_single_process(pool, results):
         for impl in ("torch", "fsdp2d"):
             got = r[(s, impl)]
             loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
-            param = max((got["params"][n] - p).abs().max().item() for n, p in ref["params"].items())
+            param = max(_param_err(got["params"][n], p) for n, p in ref["params"].items())
             assert loss < 1e-6 and param < 1e-5, f"rank {rank} {impl}: loss {loss:.2e} param {param:.2e}"
+
+
+_TP_SUMMON = pytest.mark.xfail(strict=True, reason=(
+    "fsdp2d's summon_full_params shows TP-sharded parameters as TP-local plain tensors; torch's "
+    "shows DTensors over the TP mesh (global shape), so p.full_tensor() inside it fails on fsdp2d"))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_TP_SUMMON) if CASES[n].tp else n for n in CASES])
+def test_summon_full_params_shows_what_torch_shows(results, name):
+    """Inside ``summon_full_params`` a script sees the same parameters as under torch:
+    same names, each a DTensor or not as torch's, with the same shape."""
+    s = CASES[name]
+    for rank, r in enumerate(results(name)):
+        mine, theirs = r[(s, "fsdp2d")]["summoned"], r[(s, "torch")]["summoned"]
+        bad = {n: (mine.get(n), t) for n, t in theirs.items() if mine.get(n) != t}
+        assert not bad and set(mine) == set(theirs), f"rank {rank}: (fsdp2d, torch) {bad}"
