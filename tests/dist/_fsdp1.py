@@ -34,6 +34,7 @@ VOCAB, SEQ, BATCH, LR = 96, 8, 8, 1e-2
 EPS = 1e-6
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 GRAD_STEPS = (0, 9)  # steps whose gradients are snapshotted (first, last)
+COUNT_STEP = 1  # the step whose collectives are counted (step 0 may record orders)
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ def train(impl: str, s: Setup) -> dict:
                  mixed_precision=mp, use_orig_params=s.use_orig_params,
                  device_id=torch.device("cpu"), device_mesh=device_mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=EPS, foreach=False)
-    losses, grads = [], {}
+    losses, grads, counts = [], {}, {}
     for step in range(s.steps):
         x, y = batch_for(step)
         x, y = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
@@ -230,8 +231,10 @@ def train(impl: str, s: Setup) -> dict:
         for m, (xm, ym) in enumerate(zip(x.chunk(s.microbatches), y.chunk(s.microbatches))):
             sync = m == s.microbatches - 1
             with model.no_sync() if not sync else contextlib.nullcontext():
-                loss = F.cross_entropy(model(xm).flatten(0, 1).float(), ym.flatten()) / s.microbatches
-                loss.backward()
+                with _counting(counts, step, "forward" if sync else "no_sync forward"):
+                    loss = F.cross_entropy(model(xm).flatten(0, 1).float(), ym.flatten()) / s.microbatches
+                with _counting(counts, step, "backward" if sync else "no_sync backward"):
+                    loss.backward()
             total += loss.detach()
         losses.append(total)
         if step in GRAD_STEPS:
@@ -242,7 +245,43 @@ def train(impl: str, s: Setup) -> dict:
     dist.all_reduce(losses)  # mean over dp slices (TP ranks of a slice count it equally)
     params, summoned = full_params(api, model, ctx)
     return {"losses": (losses / dist.get_world_size()).tolist(), "grads": grads, "params": params,
-            "summoned": summoned}
+            "summoned": summoned, "collectives": counts}
+
+
+# torch's DTensor TP redistributes with functional collectives (namespace
+# ``_c10d_functional``), which fsdp2d's CollectiveCounter (``c10d`` ops) does not count.
+_FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+               "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+               "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+               "all_to_all_single": "all_to_all", "broadcast": "broadcast"}
+
+
+def _counter():
+    """fsdp2d's CollectiveCounter (c10d ops of any library, gloo exchanges counted as
+    the collective they implement), plus torch's functional collectives."""
+    from fsdp2d.debug import CollectiveCounter
+
+    class Counter(CollectiveCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kind = _FUNCTIONAL.get(func._schema.name.split("::")[-1])
+            if func.namespace == "_c10d_functional" and kind is not None:
+                self._add(None, kind, 0)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return Counter()
+
+
+@contextlib.contextmanager
+def _counting(counts: dict, step: int, phase: str):
+    """On step ``COUNT_STEP``: ``counts[(phase, kind)]`` += the collectives issued (over
+    all groups)."""
+    if step != COUNT_STEP:
+        yield
+        return
+    with _counter() as counter:
+        yield
+    for (_, kind), (n, _) in counter.counts.items():
+        counts[(phase, kind)] = counts.get((phase, kind), 0) + n
 
 
 def run_both(setups: list[Setup], impls=("torch", "fsdp2d")) -> dict:

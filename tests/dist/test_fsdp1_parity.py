@@ -10,6 +10,10 @@ parameters. Cases cover Llama and GPT-2, every ``ShardingStrategy`` (the hybrid 
 (replicate=2, shard=2) mesh from the script's own ``init_device_mesh``), ``use_orig_params``
 True and False for each strategy across the two models, bf16 params with fp32 reduce,
 gradient accumulation under ``no_sync`` and FSDP1 over TP on a 2x2 (dp, tp) mesh.
+The same runs also record, at no extra pool job, what ``summon_full_params`` shows a
+script (names, DTensor or not, shapes) and the collectives of step 1 by phase and kind,
+each compared with torch's in its own test; ``test_fsdp1_matches_single_process`` checks
+both against the plain model trained on the whole global batch.
 
 torch on CPU (2.13): every case here runs with ``device_id=torch.device("cpu")``.
 ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2`` need the mesh: without ``device_mesh`` or
@@ -168,3 +172,28 @@ def test_summon_full_params_shows_what_torch_shows(results, name):
         mine, theirs = r[(s, "fsdp2d")]["summoned"], r[(s, "torch")]["summoned"]
         bad = {n: (mine.get(n), t) for n, t in theirs.items() if mine.get(n) != t}
         assert not bad and set(mine) == set(theirs), f"rank {rank}: (fsdp2d, torch) {bad}"
+
+
+_ZERO2_NO_SYNC = pytest.mark.xfail(strict=True, reason=(
+    "under no_sync, torch's SHARD_GRAD_OP keeps parameters unsharded after backward, so the next "
+    "forward all-gathers nothing; fsdp2d reshards after the no_sync backward and all-gathers every "
+    "unit again (one extra all-gather per unit per accumulation microbatch)"))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_ZERO2_NO_SYNC)
+                                  if CASES[n].microbatches > 1 and "GRAD_OP" in CASES[n].strategy else n
+                                  for n in CASES])
+def test_collectives_match_torch(results, name):
+    """The strategies mean the same communication: on step 1 (counted at c10d over all
+    groups, by phase: no_sync forward/backward, forward, backward) fsdp2d issues the same
+    collectives as torch's FSDP1, kind by kind. With TP, at most torch's: fsdp2d's
+    column-wise layers that share one input share one backward all-reduce (wq/wk/wv,
+    w1/w3), where torch's DTensor TP all-reduces each input gradient."""
+    s = CASES[name]
+    for rank, r in enumerate(results(name)):
+        mine, theirs = r[(s, "fsdp2d")]["collectives"], r[(s, "torch")]["collectives"]
+        msg = f"rank {rank}: fsdp2d {sorted(mine.items())}\ntorch {sorted(theirs.items())}"
+        if s.tp:
+            assert set(mine) <= set(theirs) and all(n <= theirs[k] for k, n in mine.items()), msg
+        else:
+            assert mine == theirs, msg
