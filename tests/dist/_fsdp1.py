@@ -11,16 +11,17 @@ last step and the final full parameters, which the test compares across the two
 implementations. :func:`reference` trains the plain model on the whole global batch.
 
 The instrumentation that reads results back (:func:`full_grads`, :func:`full_params`)
-uses FSDP1's public API on both sides (``summon_full_params``); only torch's gradients under ``use_orig_params=False`` need
-its internals (its FlatParameter metadata), since torch rejects
-``summon_full_params(with_grads=True)`` there.
+uses FSDP1's public API on both sides (``summon_full_params``); only torch's gradients
+under ``use_orig_params=False`` need its internals (FlatParameter metadata), since
+torch rejects ``summon_full_params(with_grads=True)`` there. Collectives are counted
+at c10d (:func:`_counter`), whichever library issued them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -201,11 +202,10 @@ def _prefix_of(model, unit) -> str:
     raise KeyError("FSDP unit not found in the model")
 
 
-def train(impl: str, s: Setup) -> dict:
-    """The FSDP1 script: build, (TP,) wrap, 10 AdamW steps; losses, grads, final params."""
-    torch.set_num_threads(1)
-    api = imports(impl)
-    FSDP = api.FullyShardedDataParallel
+def wrap(api: SimpleNamespace, impl: str, s: Setup):
+    """The script's setup: build, (TP,) FSDP1 with ``transformer_auto_wrap_policy``.
+    Returns the model, this rank's (data slice index, slice count) and the read-back
+    context (global shapes, TP group)."""
     model, block_cls = build(s.model)
     ctx = SimpleNamespace(shapes={n: p.shape for n, p in model.named_parameters()}, tp_group=None)
     device_mesh, dp_rank, dp_size = None, dist.get_rank(), dist.get_world_size()
@@ -217,11 +217,21 @@ def train(impl: str, s: Setup) -> dict:
     elif s.strategy in HYBRID:  # replicate across the 2 groups, shard within each
         device_mesh = mesh_for(api, impl, (2, 2), ("replicate", "shard"))
     mp = api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if s.mp else None
-    model = FSDP(model, sharding_strategy=getattr(api.ShardingStrategy, s.strategy),
-                 auto_wrap_policy=functools.partial(api.transformer_auto_wrap_policy,
-                                                    transformer_layer_cls={block_cls}),
-                 mixed_precision=mp, use_orig_params=s.use_orig_params,
-                 device_id=torch.device("cpu"), device_mesh=device_mesh)
+    model = api.FullyShardedDataParallel(
+        model, sharding_strategy=getattr(api.ShardingStrategy, s.strategy),
+        auto_wrap_policy=functools.partial(api.transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),
+        mixed_precision=mp, use_orig_params=s.use_orig_params, device_id=torch.device("cpu"),
+        device_mesh=device_mesh)
+    return model, (dp_rank, dp_size), ctx
+
+
+def train(impl: str, s: Setup) -> dict:
+    """The FSDP1 script: :func:`wrap`, then 10 AdamW steps (``no_sync`` on all but the
+    last microbatch). Returns the global losses, gradients at ``GRAD_STEPS``, final
+    parameters, what ``summon_full_params`` showed and the collectives of ``COUNT_STEP``."""
+    torch.set_num_threads(1)
+    api = imports(impl)
+    model, (dp_rank, dp_size), ctx = wrap(api, impl, s)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=EPS, foreach=False)
     losses, grads, counts = [], {}, {}
     for step in range(s.steps):
