@@ -245,14 +245,22 @@ class FullyShardedDataParallel(nn.Module):
         backward after it reduces their sum. Call on the root."""
         if not self.check_is_root():
             raise RuntimeError("no_sync() on an inner FSDP instance is not supported; call it on the root")
-        units = [m.module for m in self.fsdp_modules(self)]
+        fsdp = self.fsdp_modules(self)
+        units = [m.module for m in fsdp]
+        # As torch: SHARD_GRAD_OP / _HYBRID_SHARD_ZERO2 units keep their parameters
+        # unsharded through no_sync backwards (the next forward gathers nothing).
+        keep = [m.module for m in fsdp if not _RESHARD_AFTER_FORWARD[m._fsdp1_strategy]]
         for u in units:
             u.set_requires_gradient_sync(False, recurse=False)
+        for u in keep:
+            u.set_reshard_after_backward(False, recurse=False)
         try:
             yield
         finally:
             for u in units:
                 u.set_requires_gradient_sync(True, recurse=False)
+            for u in keep:
+                u.set_reshard_after_backward(True, recurse=False)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient of this model to a global ``norm_type``-norm of

@@ -174,15 +174,7 @@ def test_summon_full_params_shows_what_torch_shows(results, name):
         assert not bad and set(mine) == set(theirs), f"rank {rank}: (fsdp2d, torch) {bad}"
 
 
-_ZERO2_NO_SYNC = pytest.mark.xfail(strict=True, reason=(
-    "under no_sync, torch's SHARD_GRAD_OP keeps parameters unsharded after backward, so the next "
-    "forward all-gathers nothing; fsdp2d reshards after the no_sync backward and all-gathers every "
-    "unit again (one extra all-gather per unit per accumulation microbatch)"))
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_ZERO2_NO_SYNC)
-                                  if CASES[n].microbatches > 1 and "GRAD_OP" in CASES[n].strategy else n
-                                  for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_collectives_match_torch(results, name):
     """The strategies mean the same communication: on step 1 (counted at c10d over all
     groups, by phase: no_sync forward/backward, forward, backward) fsdp2d issues the same
