@@ -316,3 +316,28 @@ def reference(kind: str, steps: int = 10) -> dict:
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def torch_hybrid_without_mesh() -> tuple:
+    """What torch's FSDP1 does on CPU with HYBRID_SHARD and neither ``device_mesh`` nor
+    ``process_group``: (the error of manual wrapping, the shard-group sizes of an
+    auto-wrapped model, the warnings it gave)."""
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    model, block_cls = build("llama")
+    try:
+        FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu"))
+        error = None
+    except ValueError as e:
+        error = str(e)
+    model, block_cls = build("llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu"),
+                     auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                        transformer_layer_cls={block_cls}))
+    sizes = [dist.get_world_size(u.process_group) for u in FSDP.fsdp_modules(model)]
+    return error, sizes, [str(w.message) for w in caught]

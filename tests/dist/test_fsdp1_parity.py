@@ -189,3 +189,14 @@ def test_collectives_match_torch(results, name):
             assert set(mine) <= set(theirs) and all(n <= theirs[k] for k, n in mine.items()), msg
         else:
             assert mine == theirs, msg
+
+
+def test_torch_hybrid_shard_without_mesh_on_cpu(pool):
+    """Records torch's own behaviour (see the module docstring): on CPU, HYBRID_SHARD with
+    no mesh or groups raises for manual wrapping and, auto-wrapped, shards within
+    ``device_count()`` = 1 rank: NO_SHARD with a 4-rank all-reduce, announced only by a
+    warning. The parity cases therefore pass the (replicate, shard) mesh."""
+    for error, sizes, warned in pool.run(J.torch_hybrid_without_mesh):
+        assert error is not None and "requires explicit specification of process group or device_mesh" in error
+        assert sizes == [1, 1, 1]
+        assert any("switching to use `NO_SHARD`" in w for w in warned), warned
