@@ -45,7 +45,8 @@ bf16 value on one side only, moving that product by up to 3.9e-3 relative; a los
 averages many such products, so 1e-3 relative bounds it; gradients 2e-2 relative;
 parameters 1e-2 (Adam's normalised step turns a 2e-2 gradient difference into at most
 ~2e-2 x lr per step, over 10 steps well under 1e-2). [Measured: 0 everywhere: bf16
-gradients have 8-bit mantissas, so their fp32 sums over 4 ranks are exact in any order.]
+gradients have 8-bit mantissas, so their fp32 sums over 4 ranks are exact in any order
+unless the terms' magnitudes span more than 2^16.]
 The hybrid cases are bitwise equal too (sums of 2 are order-free).
 """
 
