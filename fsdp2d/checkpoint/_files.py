@@ -30,6 +30,7 @@ import os
 import re
 import stat
 import struct
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from ..placement import Box
 from ._index import DTYPES, INDEX, SHA256, TORCH_DTYPES, CheckpointError, validate_index, writer_file
 
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
+_MAX_OPEN = 64  # data files a Folder keeps open at once
 MANIFEST = "fsdp2d"  # the __metadata__ key of a data file's manifest
 
 
@@ -94,7 +96,9 @@ class Folder:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.fd = _open_dir(self.path)
-        self.files: dict[str, tuple[int, dict, dict]] = {}  # name -> (fd, header, manifest)
+        # name -> (fd, header, manifest), the most recently used last; at most _MAX_OPEN
+        # (a reader of a checkpoint of 8192 ranks may need every file, one after another)
+        self.files: OrderedDict[str, tuple[int, dict, dict]] = OrderedDict()
         try:
             raw = self._read_whole(INDEX)
             try:
@@ -112,7 +116,7 @@ class Folder:
     def close(self) -> None:
         for fd, *_ in self.files.values():
             os.close(fd)
-        self.files = {}
+        self.files.clear()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -146,7 +150,13 @@ class Folder:
             os.close(fd)
 
     def _file(self, name: str) -> tuple[int, dict, dict]:
-        if name not in self.files:
+        """(descriptor, header, manifest) of data file ``name``; a file closed to stay
+        under _MAX_OPEN descriptors is opened and checked again when needed again."""
+        if name in self.files:
+            self.files.move_to_end(name)
+        else:
+            if len(self.files) >= _MAX_OPEN:
+                os.close(self.files.popitem(last=False)[1][0])
             fd, size = self._open(name)
             try:
                 header, meta = _parse_header(fd, size, self.path / name)

@@ -202,3 +202,14 @@ def job_save_trained(spec: dict, mesh_key: str, path: str) -> dict:
     opt.zero_grad()
     ckpt.save(path, model, opt, extra={"step": 1})
     return ckpt.get_model_state_dict(model)
+
+
+def job_ranks_disagree(root: str) -> dict:
+    """Rank 3 alone holds a model with another width: every rank refuses the save (the
+    description each rank would write differs), nothing is left."""
+    import torch.distributed as dist
+
+    from .pool import capture_error
+
+    spec = SMALL if dist.get_rank() != 3 else {**SMALL, "dims": [5, 8, 3]}
+    return {"error": capture_error(lambda: ckpt.save(f"{root}/d", build_stack(spec, seed=0)))}

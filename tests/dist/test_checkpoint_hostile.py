@@ -400,3 +400,10 @@ def test_a_one_rank_save_error_reaches_every_rank_at_once(pool, tmp_path):
         assert r["error"] is not None and r["error"][0] == "CheckpointError", r
         assert "rank 0: TypeError" in r["error"][1] and r["seconds"] < 10, r
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+def test_ranks_holding_different_tensors_all_refuse_to_save(pool, tmp_path):
+    for r in pool.run(K.job_ranks_disagree, str(tmp_path), timeout=30):
+        assert r["error"] is not None and r["error"][0] == "CheckpointError", r
+        assert "the ranks disagree on the tensors to save" in r["error"][1], r
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())

@@ -125,3 +125,24 @@ def test_a_data_file_without_manifest_is_refused(sharded):
 def test_an_old_format_index_is_refused_clearly(sharded):
     _edit(sharded, lambda index: index.__setitem__("version", 1))
     _refused(sharded, "version 1 (this fsdp2d reads 'fsdp2d' version 2) (written by an older fsdp2d")
+
+
+def test_a_reader_keeps_few_files_open(source, sharded, monkeypatch):
+    """A reader of a checkpoint of many ranks may need every file: at most _MAX_OPEN
+    stay open (here 1 of the 4), each file opened again and checked again when needed."""
+    from fsdp2d.checkpoint import _files
+
+    monkeypatch.setattr(_files, "_MAX_OPEN", 1)
+    opened, most = [], [0]
+    real_file = _files.Folder._file
+
+    def tracked(folder, name):
+        opened.append(name)
+        out = real_file(folder, name)
+        most[0] = max(most[0], len(folder.files))
+        return out
+    monkeypatch.setattr(_files.Folder, "_file", tracked)
+    model, opt = _trained(seed=1, steps=2)
+    ckpt.load(sharded, model, opt)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in source[1].items())
+    assert most[0] == 1 and len(set(opened)) == 4, (most, sorted(set(opened)))
