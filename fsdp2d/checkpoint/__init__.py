@@ -3,9 +3,10 @@
 Each rank writes the boxes it owns as safetensors (with their offsets and sha256 in the
 file's header); a JSON index records every tensor's dtype, global shape and layout over
 the mesh, so its size does not grow with the world size. ``load`` reads, on any mesh (or
-an unparallelized model), only the files and slices each rank needs. ``python -m fsdp2d.checkpoint export CKPT OUT`` writes a
-Hugging Face-style full export (``--format hf``: HF names and
-``config.json``, loadable by ``transformers``); ``inspect CKPT`` prints a summary.
+an unparallelized model), only the files and slices each rank needs.
+``python -m fsdp2d.checkpoint export CKPT OUT`` writes a Hugging Face-style full export
+(``--format hf``: HF names and ``config.json``, loadable by ``transformers``);
+``inspect CKPT`` prints a summary.
 """
 
 from ._api import CheckpointManager, export, get_model_state_dict, inspect

@@ -270,7 +270,8 @@ def _parse_header(fd: int, size: int, where: Path) -> tuple[dict[str, tuple[str,
     for key, e in header.items():
         if key == "__metadata__":
             continue
-        ok = (isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] in TORCH_DTYPES and isinstance(e.get("shape"), list)
+        ok = (isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] in TORCH_DTYPES
+              and isinstance(e.get("shape"), list)
               and all(type(s) is int and s >= 0 for s in e["shape"]) and isinstance(e.get("data_offsets"), list)
               and len(e["data_offsets"]) == 2 and all(type(o) is int for o in e["data_offsets"]))
         if ok:

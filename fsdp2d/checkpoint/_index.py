@@ -17,8 +17,9 @@ the box of layout coordinate ``c`` is written once, by its replica owner, the ra
 ``c`` on the layout's axes and 0 on the others, into ``rank<r>.safetensors`` where
 ``r`` is that rank's row-major index in ``mesh`` (:func:`writer_file`), under the
 tensor's name. A tensor on no axis is one box, in ``rank00000.safetensors`` or (an
-export) under the optional ``"key"`` in the ``"file"`` its entry names. What a box's file must hold (its offset and sha256) is in that file's
-own manifest (``_files``), so nothing in the index grows with the number of ranks.
+export) under the optional ``"key"`` in the ``"file"`` its entry names. What a box's
+file must hold (its offset and sha256) is in that file's own manifest (``_files``), so
+nothing in the index grows with the number of ranks.
 
 ``validate_index`` accepts only a document ``save`` could have written: every field's
 type, every name, axes that are the mesh's (each once), placements on dims the tensor
@@ -138,7 +139,8 @@ def _check_tensor(c: _Checker, name: Any, meta: Any, mesh: dict[str, int]) -> La
     c.need(isinstance(name, str) and name.startswith(("model/", "optim/")),
            f"tensor name {name!r} must start with 'model/' or 'optim/'")
     c.need(isinstance(meta, dict), f"tensors[{name!r}] is not an object")
-    c.need(isinstance(meta.get("dtype"), str) and meta["dtype"] in DTYPES, f"{name!r}: dtype {meta.get('dtype')!r} is not one of {sorted(DTYPES)}")
+    c.need(isinstance(meta.get("dtype"), str) and meta["dtype"] in DTYPES,
+           f"{name!r}: dtype {meta.get('dtype')!r} is not one of {sorted(DTYPES)}")
     shape = meta.get("shape")
     c.need(_ints(shape, None), f"{name!r}: shape {shape!r} is not a list of ints >= 0")
     layout = _check_layout(c, name, meta.get("layout"), shape, mesh)

@@ -105,7 +105,8 @@ def test_a_manifest_path_escape_is_refused(sharded):
                                        ("F" * 64, "its sha256 is missing or not 64 lowercase hex digits"),
                                        (None, "its sha256 is missing")])
 def test_a_bad_sha256_in_a_manifest_is_refused(sharded, sha, match):
-    K.edit_manifest(sharded / "rank00003.safetensors", lambda m: m["boxes"]["model/emb.weight"].__setitem__("sha256", sha))
+    K.edit_manifest(sharded / "rank00003.safetensors",
+                    lambda m: m["boxes"]["model/emb.weight"].__setitem__("sha256", sha))
     assert "rank00003.safetensors" in _refused(sharded, match)
 
 

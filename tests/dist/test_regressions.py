@@ -190,7 +190,8 @@ def job_checkpoint_errors(root: str) -> dict:
     path = Path(root) / "good"
     ckpt.save(path, model)
     if dist.get_rank() == 0:
-        edit_manifest(path / "rank00001.safetensors", lambda m: m["boxes"]["model/a.weight"]["offset"].__setitem__(0, 0))
+        edit_manifest(path / "rank00001.safetensors",
+                      lambda m: m["boxes"]["model/a.weight"]["offset"].__setitem__(0, 0))
     dist.barrier()
     res["load_fail"] = capture_error(lambda: ckpt.load(path, model))
     return res
