@@ -48,3 +48,19 @@ bench: install
 	done
 	@echo "done: $$(uptime)"
 	@$(PY) benchmarks/compare_torch.py --table $(BENCH_RUNS:%=runs/bench/%.json)
+
+# `make bench-fsdp1`: torch's FSDP1 against fsdp2d.fsdp1 (the same script, imports switched)
+# and fsdp2d's fully_shard, on the 2x2 (FSDP1 + TP) and 4x1 (dp=4) meshes, per BENCH_FSDP1_RUNS.
+BENCH_FSDP1_RUNS ?= llama-small gpt2-small llama-medium
+.PHONY: bench-fsdp1
+bench-fsdp1: install
+	@mkdir -p runs/bench
+	@for run in $(BENCH_FSDP1_RUNS); do for mesh in 2x2 4x1; do \
+	  echo "bench-fsdp1 $$run $$mesh: $$(uptime)"; \
+	  OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 4 benchmarks/compare_torch.py \
+	    --mode fsdp1 --mesh $$mesh --model $${run%-*} --size $${run#*-} --steps $(BENCH_STEPS) \
+	    --json runs/bench/fsdp1-$$run-$$mesh.json > runs/bench/fsdp1-$$run-$$mesh.log 2>&1 \
+	    || { cat runs/bench/fsdp1-$$run-$$mesh.log; exit 1; }; \
+	done; done
+	@echo "done: $$(uptime)"
+	@$(PY) benchmarks/compare_torch.py --table $(foreach r,$(BENCH_FSDP1_RUNS),runs/bench/fsdp1-$(r)-2x2.json runs/bench/fsdp1-$(r)-4x1.json)

@@ -1,4 +1,5 @@
-"""fsdp2d against torch's native 2D path (DTensor TP + FSDP2), side by side in one run.
+"""fsdp2d against torch's native 2D path (DTensor TP + FSDP2), or against torch's FSDP1
+(``--mode fsdp1``), side by side in one run.
 
     torchrun --nproc_per_node 4 benchmarks/compare_torch.py --model gpt2 --size small
     python benchmarks/compare_torch.py --table runs/bench/*.json     # markdown table
@@ -11,6 +12,12 @@ then sharded, so both start from identical values):
   ``torch.distributed.fsdp.fully_shard`` per block and on the root over ``["dp"]``;
 * fsdp2d: ``fsdp2d.parallelize_module`` with ``fsdp2d.models.*_tp_plan()``, then
   ``fsdp2d.fully_shard`` per block and root over ``mesh["dp"]``;
+
+``--mode fsdp1`` runs three instead: torch's FSDP1 (``FullyShardedDataParallel`` with
+``ModuleWrapPolicy({block})``, ``use_orig_params=True``, ``device_mesh=mesh["dp"]``, over
+torch's TP when tp > 1, as torch's FSDP1 + TP recipe), the same script on
+``fsdp2d.fsdp1`` (imports switched), and fsdp2d's ``fully_shard`` (the first is the
+baseline the others' ratios are taken against). ``--mesh 4x1`` gives dp=4 without TP;
 
 on one 2x2 ("dp", "tp") gloo mesh (the torch mesh wraps the *same* process groups),
 and trains both with AdamW on the same batches (each dp rank takes its slice of the
@@ -159,7 +166,8 @@ def build_torch(cfg: Config, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
 
     tmesh = mesh.to_torch()  # torch DeviceMesh over fsdp2d's process groups
     model = build_model(cfg)
-    parallelize_module(model, tmesh["tp"], torch_plan(cfg.model))
+    if mesh.size("tp") > 1:
+        parallelize_module(model, tmesh["tp"], torch_plan(cfg.model))
     for block in blocks_of(model):
         fully_shard(block, mesh=tmesh["dp"])
     fully_shard(model, mesh=tmesh["dp"])
@@ -168,12 +176,50 @@ def build_torch(cfg: Config, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
 
 def build_fsdp2d(cfg: Config, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
     model = build_model(cfg)
-    plan = gpt2_tp_plan() if cfg.model == "gpt2" else llama_tp_plan()
-    fsdp2d.parallelize_module(model, mesh["tp"], plan)
+    if mesh.size("tp") > 1:
+        fsdp2d.parallelize_module(model, mesh["tp"], gpt2_tp_plan() if cfg.model == "gpt2" else llama_tp_plan())
     for block in blocks_of(model):
         fsdp2d.fully_shard(block, mesh=mesh["dp"])
     fsdp2d.fully_shard(model, mesh=mesh["dp"])
     return model
+
+
+def build_torch_fsdp1(cfg: Config, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
+    """torch's FSDP1 (``FullyShardedDataParallel``, one unit per block and the root, as
+    ``transformer_auto_wrap_policy`` wraps), over torch's TP when the mesh has tp > 1
+    (torch's FSDP1 + TP recipe: ``device_mesh=mesh["dp"]``, ``use_orig_params=True``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tmesh = mesh.to_torch()
+    model = build_model(cfg)
+    if mesh.size("tp") > 1:
+        parallelize_module(model, tmesh["tp"], torch_plan(cfg.model))
+    policy = ModuleWrapPolicy({type(blocks_of(model)[0])})
+    return FullyShardedDataParallel(model, device_mesh=tmesh["dp"], auto_wrap_policy=policy, use_orig_params=True,
+                                    device_id=torch.device("cpu"))
+
+
+def build_fsdp2d_fsdp1(cfg: Config, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
+    """The same script on fsdp2d: only the imports differ (fsdp2d.fsdp1, fsdp2d.wrap, and
+    fsdp2d's TP plan on the fsdp2d mesh)."""
+    from fsdp2d.fsdp1 import FullyShardedDataParallel
+    from fsdp2d.wrap import ModuleWrapPolicy
+
+    model = build_model(cfg)
+    if mesh.size("tp") > 1:
+        fsdp2d.parallelize_module(model, mesh["tp"], gpt2_tp_plan() if cfg.model == "gpt2" else llama_tp_plan())
+    policy = ModuleWrapPolicy({type(blocks_of(model)[0])})
+    return FullyShardedDataParallel(model, device_mesh=mesh["dp"], auto_wrap_policy=policy, use_orig_params=True,
+                                    device_id=torch.device("cpu"))
+
+
+BUILDERS = {"torch": lambda cfg, mesh: build_torch(cfg, mesh), "fsdp2d": lambda cfg, mesh: build_fsdp2d(cfg, mesh),
+            "torch-fsdp1": lambda cfg, mesh: build_torch_fsdp1(cfg, mesh),
+            "fsdp2d-fsdp1": lambda cfg, mesh: build_fsdp2d_fsdp1(cfg, mesh)}
+# mode -> implementations, the first the baseline the others are compared with
+MODES = {"2d": ("torch", "fsdp2d"), "fsdp1": ("torch-fsdp1", "fsdp2d-fsdp1", "fsdp2d")}
 
 
 def batch_for(cfg: Config, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,12 +436,14 @@ def theory(cfg: Config, dp: int, tp: int, scheme: str = "fsdp2d") -> dict[str, l
     A = FP32 * b * T * C
     n_in = 2 if scheme == "fsdp2d" else (4 if cfg.model == "gpt2" else 5)
     flags = dp * (L * len(block) + len(root)) if scheme == "fsdp2d" else 0
-    return {
+    out = {
         "dp/all_gather": [(L + 1) + L, FP32 * ((L * S_block + S_root) + L * S_block)],
         "dp/reduce_scatter": [L + 1, FP32 * (L * S_block + S_root + flags)],
-        "tp/all_reduce": [(2 * L + 1) + (n_in * L + 1), A * ((2 * L + 1) + (n_in * L + 1))],
-        "tp/all_gather": [1, FP32 * b * T * V],
     }
+    if tp > 1:  # (tp = 1: no tensor parallelism is applied)
+        out["tp/all_reduce"] = [(2 * L + 1) + (n_in * L + 1), A * ((2 * L + 1) + (n_in * L + 1))]
+        out["tp/all_gather"] = [1, FP32 * b * T * V]
+    return out
 
 
 # ------------------------------------------------------------------------------- run
@@ -429,19 +477,22 @@ def load_avg() -> str:
         return "n/a"
 
 
-def run(cfg: Config, steps: int, warmup: int, profile: str | None, optim: str = "fused") -> dict | None:
+def run(cfg: Config, steps: int, warmup: int, profile: str | None, optim: str = "fused", mode: str = "2d",
+        mesh_shape: tuple[int, int] = (2, 2)) -> dict | None:
     torch.set_num_threads(1)
     # torch's FSDP2 warns that the root returns a view (the replicated logits); nothing
     # here modifies it in place, so the warning does not apply
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    mesh = fsdp2d.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = fsdp2d.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
     rank, dp, tp = dist.get_rank(), mesh.size("dp"), mesh.size("tp")
     dp_rank = mesh.get_local_rank("dp")
-    axis_of_group = {mesh.get_group("dp").group_name: "dp", mesh.get_group("tp").group_name: "tp",
-                     dist.group.WORLD.group_name: "world"}
+    # (the world first: on a dp x 1 mesh the dp group is the world group, and is named dp)
+    axis_of_group = {dist.group.WORLD.group_name: "world", mesh.get_group("dp").group_name: "dp",
+                     mesh.get_group("tp").group_name: "tp"}
     load_start = load_avg()
 
-    impls = {"torch": build_torch(cfg, mesh), "fsdp2d": build_fsdp2d(cfg, mesh)}
+    names = MODES[mode]
+    impls = {name: BUILDERS[name](cfg, mesh) for name in names}
     # the same optimizer on both sides (both hold DTensor parameters): the comparison
     # measures parallelism, not optimizer defaults (torch's CPU default is the slow for-loop)
     kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[optim]
@@ -463,17 +514,17 @@ def run(cfg: Config, steps: int, warmup: int, profile: str | None, optim: str = 
             cpu[name].append(c1 - c0)
 
     for step in range(warmup):
-        for name in ("torch", "fsdp2d"):
+        for name in names:
             one(name, step, timed=False)
-    for i in range(steps):
-        order = ("torch", "fsdp2d") if i % 2 == 0 else ("fsdp2d", "torch")
-        for name in order:
+    for i in range(steps):  # each implementation goes first in turn, then the order reverses
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in (order if (i // len(names)) % 2 == 0 else order[::-1]):
             one(name, warmup + i, timed=True)
 
     # one instrumented step each (same batch): collectives, bytes, peak memory
     trackers = {}
     x, y = batch_for(cfg, warmup + steps, dp_rank, dp)
-    for name in ("torch", "fsdp2d"):
+    for name in names:
         dist.barrier()
         loss, trackers[name] = tracked_step(impls[name], opts[name], x, y, axis_of_group)
         losses[name].append(loss.item())
@@ -495,7 +546,7 @@ def run(cfg: Config, steps: int, warmup: int, profile: str | None, optim: str = 
     dist.all_gather_object(every, mine)
     if rank != 0:
         return None
-    result = summarize(cfg, every, dp, tp, steps, warmup, load_start, load_end)
+    result = summarize(cfg, every, dp, tp, steps, warmup, load_start, load_end, names)
     result["optim"] = f"AdamW {optim}, both sides"
     if prof_table:
         result["profile"] = prof_table
@@ -508,8 +559,7 @@ def profile_impls(cfg, impls, opts, step0, dp_rank, dp, which: str) -> str | Non
     from torch.profiler import ProfilerActivity, profile
 
     tables = []
-    names = ("torch", "fsdp2d") if which == "both" else (which,)
-    for name in names:
+    for name in (tuple(impls) if which == "both" else (which,)):
         with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
             for i in range(5):
                 x, y = batch_for(cfg, step0 + i, dp_rank, dp)
@@ -521,12 +571,12 @@ def profile_impls(cfg, impls, opts, step0, dp_rank, dp, which: str) -> str | Non
 
 
 def summarize(cfg: Config, every: list[dict], dp: int, tp: int, steps: int, warmup: int,
-              load_start: str, load_end: str) -> dict:
+              load_start: str, load_end: str, names: tuple[str, ...] = MODES["2d"]) -> dict:
     tokens = cfg.batch * cfg.seq
     res: dict[str, Any] = {"config": asdict(cfg), "mesh": {"dp": dp, "tp": tp}, "steps": steps,
                            "warmup": warmup, "load_start": load_start, "load_end": load_end,
-                           "torch_version": torch.__version__, "impl": {}}
-    for name in ("torch", "fsdp2d"):
+                           "torch_version": torch.__version__, "impl": {}, "names": list(names)}
+    for name in names:
         per_step = [max(r["times"][name][i] for r in every) for i in range(steps)]  # slowest rank
         med = statistics.median(per_step)
         cpu_per_step = [statistics.mean(r["cpu"][name][i] for r in every) for i in range(steps)]
@@ -544,19 +594,23 @@ def summarize(cfg: Config, every: list[dict], dp: int, tp: int, steps: int, warm
             "ring_wire_bytes_per_step": ring_wire_bytes(colls, {"dp": dp, "tp": tp}),
             "step_times_s": per_step,
         }
-    rel = []
-    for r in every:
-        for lt, lf in zip(r["losses"]["torch"], r["losses"]["fsdp2d"]):
-            rel.append(abs(lt - lf) / max(abs(lt), 1e-30))
-    res["loss_max_rel_diff"] = max(rel)
-    res["losses_rank0"] = {k: every[0]["losses"][k] for k in ("torch", "fsdp2d")}
+    base = names[0]
+    for name in names[1:]:  # each against the baseline (the first)
+        rel = [abs(lt - lf) / max(abs(lt), 1e-30) for r in every
+               for lt, lf in zip(r["losses"][base], r["losses"][name])]
+        t, f = res["impl"][base], res["impl"][name]
+        f["loss_max_rel_diff"] = max(rel)
+        f["ratio_time"] = f["median_s"] / t["median_s"]
+        f["ratio_peak_mem"] = f["peak_bytes"] / t["peak_bytes"]
+        f["ratio_peak_mem_with_rings"] = (f["peak_bytes"] + f["shm_ring_bytes"]) / t["peak_bytes"]
+    res["loss_max_rel_diff"] = max(res["impl"][n]["loss_max_rel_diff"] for n in names[1:])
+    res["losses_rank0"] = {k: every[0]["losses"][k] for k in names}
     res["theory"] = {s: theory(cfg, dp, tp, s) for s in ("fsdp2d", "torch")}
     meas = res["impl"]["fsdp2d"]["collectives"]
     res["fsdp2d_matches_theory"] = {k: list(v) for k, v in meas.items()} == res["theory"]["fsdp2d"]
-    t, f = res["impl"]["torch"], res["impl"]["fsdp2d"]
-    res["ratio_time"] = f["median_s"] / t["median_s"]
-    res["ratio_peak_mem"] = f["peak_bytes"] / t["peak_bytes"]
-    res["ratio_peak_mem_with_rings"] = (f["peak_bytes"] + f["shm_ring_bytes"]) / t["peak_bytes"]
+    f = res["impl"]["fsdp2d"]
+    res["ratio_time"], res["ratio_peak_mem"] = f["ratio_time"], f["ratio_peak_mem"]  # fsdp2d / baseline
+    res["ratio_peak_mem_with_rings"] = f["ratio_peak_mem_with_rings"]
     return res
 
 
@@ -569,20 +623,21 @@ def _mib(b: float) -> str:
 
 def table(results: list[dict]) -> str:
     head = ("| model | impl | median step ms (p10-p90) | tokens/s | CPU ms/step/rank | peak MiB/rank (at rest) | "
-            "collectives/step | MiB moved/step | max loss rel diff | fsdp2d/torch time | fsdp2d/torch peak mem | load (1/5/15 min) |")
+            "collectives/step | MiB moved/step | max loss rel diff | time / first | peak mem / first | load (1/5/15 min) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
-        c = r["config"]
-        label = f"{c['model']} {c['size']} (L={c['n_layers']}, d={c['dim']})"
-        for name in ("torch", "fsdp2d"):
-            i = r["impl"][name]
-            ratio_t = f"{r['ratio_time']:.3f}" if name == "fsdp2d" else ""
-            ratio_m = f"{r['ratio_peak_mem']:.3f}" if name == "fsdp2d" else ""
-            diff = f"{r['loss_max_rel_diff']:.1e}" if name == "fsdp2d" else ""
-            load = f"{r['load_start']} → {r['load_end']}" if name == "torch" else ""
+        c, names = r["config"], r.get("names", list(MODES["2d"]))
+        m = r["mesh"]
+        label = f"{c['model']} {c['size']} (L={c['n_layers']}, d={c['dim']}; dp={m['dp']}, tp={m['tp']})"
+        for name in names:
+            i, first = r["impl"][name], name == names[0]
+            ratio_t = "" if first else f"{i.get('ratio_time', r['ratio_time']):.3f}"
+            ratio_m = "" if first else f"{i.get('ratio_peak_mem', r['ratio_peak_mem']):.3f}"
+            diff = "" if first else f"{i.get('loss_max_rel_diff', r['loss_max_rel_diff']):.1e}"
+            load = f"{r['load_start']} → {r['load_end']}" if first else ""
             rings = f" + {_mib(i['shm_ring_bytes'])} shm" if i.get("shm_ring_bytes") else ""
             lines.append(
-                f"| {label if name == 'torch' else ''} | {name} | {i['median_s'] * 1e3:.1f} "
+                f"| {label if first else ''} | {name} | {i['median_s'] * 1e3:.1f} "
                 f"({i['p10_s'] * 1e3:.1f}-{i['p90_s'] * 1e3:.1f}) | {i['tokens_per_s']:.0f} | "
                 f"{i['cpu_s_per_rank'] * 1e3:.0f} | "
                 f"{_mib(i['peak_bytes'])} ({_mib(i['at_rest_bytes'])}){rings} | {i['collectives_per_step']} | "
@@ -591,6 +646,15 @@ def table(results: list[dict]) -> str:
 
 
 def comm_table(r: dict) -> str:
+    names = r.get("names", list(MODES["2d"]))
+    if names != list(MODES["2d"]):
+        keys = sorted(set().union(*(r["impl"][n]["collectives"] for n in names)))
+        lines = ["| axis/collective | " + " | ".join(f"{n} (n, bytes)" for n in names) + " |",
+                 "|---|" + "---|" * len(names)]
+        for k in keys:
+            cells = [r["impl"][n]["collectives"].get(k) for n in names]
+            lines.append(f"| {k} | " + " | ".join(f"{v[0]}, {v[1]:,}" if v else "-" for v in cells) + " |")
+        return "\n".join(lines)
     keys = sorted(set(r["impl"]["torch"]["collectives"]) | set(r["impl"]["fsdp2d"]["collectives"])
                   | set(r["theory"]["fsdp2d"]))
     lines = ["| axis/collective | torch measured (n, bytes) | torch theory | fsdp2d measured (n, bytes) | fsdp2d theory |",
@@ -620,6 +684,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--optim", choices=("fused", "foreach", "for-loop"), default="fused",
                    help="AdamW implementation, the same on both sides (default fused: torchtitan's)")
+    p.add_argument("--mode", choices=tuple(MODES), default="2d",
+                   help="2d: torch's TP + FSDP2 against fsdp2d's; fsdp1: torch's FSDP1 against fsdp2d.fsdp1 "
+                        "and fsdp2d's fully_shard (one unit per block and the root, use_orig_params=True)")
+    p.add_argument("--mesh", default="2x2", help="dp x tp, e.g. 2x2 or 4x1 (4 ranks)")
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--profile", choices=("fsdp2d", "torch", "both"),
                    help="also run 5 steps under torch.profiler and print rank 0's top ops")
@@ -640,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         p.error("run under torchrun: torchrun --nproc_per_node 4 benchmarks/compare_torch.py ...")
     cfg = CONFIGS[(a.model, a.size)]
-    result = run(cfg, a.steps, a.warmup, a.profile, a.optim)
+    mesh_shape = tuple(int(x) for x in a.mesh.split("x"))
+    result = run(cfg, a.steps, a.warmup, a.profile, a.optim, a.mode, mesh_shape)
     if result is not None:
         print(table([result]))
         print()

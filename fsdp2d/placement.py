@@ -246,6 +246,45 @@ class Layout:
         once. (Empty boxes can have several owners; they hold nothing to write.)"""
         return all(c == 0 for c, p in zip(self.coordinate, self.placements) if not isinstance(p, Shard))
 
+    def owners_intersecting(self, target: Box) -> Iterator[tuple[tuple[int, ...], Box]]:
+        """``(coordinate, box)`` of every replica owner (see :meth:`is_replica_owner`)
+        whose non-empty box overlaps ``target``: the boxes a reader of ``target`` needs
+        from a tensor written with this layout, each once. The work grows with the number
+        of boxes yielded, not with the mesh: each ``Shard`` split, in ``split_order``,
+        keeps only the range of chunks that meets ``target``. Equal to filtering
+        :meth:`coordinates` through :meth:`at` (the unit tests check it), so the box of
+        any coordinate yielded is ``self.at(coordinate).box``."""
+        if target.numel() == 0:
+            return
+        # each partial split: (coordinate, offset, shape); non-Shard axes stay at 0 (owner)
+        states: list[tuple[list[int], list[int], list[int]]] = [
+            ([0] * len(self.mesh_shape), [0] * len(self.global_shape), list(self.global_shape))]
+        for axis in self.split_order:
+            p = self.placements[axis]
+            if isinstance(p, Shard):
+                states = [s for state in states for s in self._chunks_meeting(state, axis, p.dim, target)]
+        for coord, offset, shape in states:
+            box = Box(tuple(offset), tuple(shape))
+            inter = box.intersect(target)
+            if box.numel() and inter is not None and inter.numel():
+                yield tuple(coord), box
+
+    def _chunks_meeting(self, state: tuple, axis: int, dim: int, target: Box) -> Iterator[tuple]:
+        """The chunks of ``state``'s piece, split along ``dim`` over mesh ``axis``
+        (``chunk_range``), whose rows along ``dim`` overlap ``target``'s."""
+        coord, offset, shape = state
+        size, k = shape[dim], self.mesh_shape[axis]
+        step = -(-size // k) if size else 0
+        lo = max(target.global_offset[dim] - offset[dim], 0)
+        hi = min(target.global_offset[dim] + target.local_shape[dim] - offset[dim], size)
+        if step == 0 or lo >= hi:
+            return
+        for i in range(lo // step, (hi - 1) // step + 1):  # (hi - 1) // step < k since hi <= size
+            start, length = chunk_range(size, k, i)
+            c, o, s = list(coord), list(offset), list(shape)
+            c[axis], o[dim], s[dim] = i, offset[dim] + start, length
+            yield c, o, s
+
     def axis(self, name: str) -> int:
         try:
             return self.axis_names.index(name)

@@ -18,8 +18,9 @@ from ..bridge import LocalShard, gather_full
 from ..placement import Box
 from ._entries import model_entries
 from . import _commit
-from ._files import Folder, _digest
-from ._io import INDEX, _fsync_write, _index_document, read_box, read_index, save
+from ._files import Folder, _digest, manifest
+from ._index import describe_layout, dump_index
+from ._io import INDEX, _fsync_write, _index_document, read_box, save
 
 __all__ = ["get_model_state_dict", "CheckpointManager", "export", "inspect"]
 
@@ -118,44 +119,47 @@ def _export(folder: Folder, out: Path, max_shard_bytes: int) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     n = len(plan)
     fnames = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    tensors, file_meta, weight_map, total = {}, {}, {}, 0
+    tensors, weight_map, total, export_id = {}, {}, 0, uuid.uuid4().hex[:16]
     for fname, group in zip(fnames, plan):
-        shard = {}
+        shard, boxes = {}, {}
         for name in group:
             meta = index["tensors"][name]
             shape = tuple(meta["shape"])
-            full = read_box(folder, meta, name, Box((0,) * len(shape), shape))
+            full = read_box(folder, name, Box((0,) * len(shape), shape))
             key = name.removeprefix("model/")
             shard[key] = full
+            boxes[key] = ((0,) * len(shape), _digest(full))
             weight_map[key] = fname
             total += full.numel() * full.element_size()
-            tensors[name] = {"dtype": meta["dtype"], "shape": list(shape),
-                             "boxes": [{"offset": [0] * len(shape), "shape": list(shape), "file": fname,
-                                        "key": key, "sha256": _digest(full)}]}
-        data = st_save(shard)
+            tensors[name] = {"dtype": meta["dtype"], "shape": list(shape), "layout": describe_layout(None),
+                             "file": fname, "key": key}
+        data = st_save(shard, metadata=manifest(export_id, fname, boxes))
         del shard
         _fsync_write(out / fname, data)
-        file_meta[fname] = {"size": len(data)}
         del data
     if n > 1:
         _fsync_write(out / "model.safetensors.index.json",
                      json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode())
-    fsdp_index = _index_document(files=file_meta, tensors=tensors, world_size=1, mesh={"axes": [], "shape": []},
-                                 extra=index["extra"], optim_hparams=None,
-                                 id=uuid.uuid4().hex[:16])
-    _fsync_write(out / INDEX, json.dumps(fsdp_index, indent=1).encode())
+    fsdp_index = _index_document(tensors=tensors, world_size=1, mesh={"axes": [], "shape": []},
+                                 extra=index["extra"], optim_hparams=None, id=export_id)
+    _fsync_write(out / INDEX, dump_index(fsdp_index))
     return [out / f for f in fnames]
 
 
 def inspect(ckpt: str | os.PathLike) -> str:
-    """A human-readable summary: mesh, world size, extra, and every tensor."""
-    index = read_index(ckpt)
+    """A human-readable summary: mesh, world size, data files, extra, and every tensor
+    with its layout (``tp=S(0) dp=S(0)``: sharded along dim 0 over tp, then over dp)."""
+    with Folder(ckpt) as folder:
+        index, files = folder.index, folder.data_files()
     mesh = index["mesh"]
     lines = [f"checkpoint {ckpt}",
              f"saved on {index['world_size']} ranks, mesh "
              + (" x ".join(f"{a}={s}" for a, s in zip(mesh["axes"], mesh["shape"])) or "(none)"),
-             f"files: {len(index['files'])}, {sum(f['size'] for f in index['files'].values()) / 2**20:.2f} MiB",
-             f"id: {index.get('id', '(none)')}", f"extra: {json.dumps(index['extra'])}", "", f"{'tensor':<60} {'dtype':<9} {'shape':<18} boxes"]
+             f"data files: {len(files)}, {sum(size for _, size in files) / 2**20:.2f} MiB",
+             f"id: {index['id']}", f"extra: {json.dumps(index['extra'])}", "",
+             f"{'tensor':<60} {'dtype':<9} {'shape':<18} layout"]
     for name, meta in sorted(index["tensors"].items()):
-        lines.append(f"{name:<60} {meta['dtype']:<9} {str(tuple(meta['shape'])):<18} {len(meta['boxes'])}")
+        lay = meta["layout"]
+        where = " ".join(f"{a}={p}" for a, p in zip(lay["axes"], lay["placements"])) or "(one box)"
+        lines.append(f"{name:<60} {meta['dtype']:<9} {str(tuple(meta['shape'])):<18} {where}")
     return "\n".join(lines)

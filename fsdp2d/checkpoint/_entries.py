@@ -16,6 +16,7 @@ from torch import nn
 
 from .._dtensor import local_of
 from ..fsdp import fsdp_params
+from ..mesh import DeviceMesh
 from ..placement import Box, Layout
 from ..tensor_parallel import tp_params
 
@@ -27,6 +28,7 @@ class Entry:
     layout: Layout | None
     global_shape: tuple[int, ...]
     groups: dict = field(default_factory=dict)  # layout axis name -> process group
+    mesh: DeviceMesh | None = None  # the root mesh the layout's axes belong to
 
     def get_group(self, axis: str):  # lets an Entry stand in for a mesh in gather_full
         return self.groups[axis]
@@ -38,11 +40,11 @@ class Entry:
         return self.layout.box
 
 
-def _layouts(model: nn.Module) -> dict[str, tuple[Layout, dict]]:
-    """fqn -> (layout, {axis name: group}) for every sharded parameter."""
-    layouts = {fqn: (info.layout, {n: info.mesh.get_group(n) for n in info.mesh.mesh_dim_names})
+def _layouts(model: nn.Module) -> dict[str, tuple[Layout, dict, DeviceMesh]]:
+    """fqn -> (layout, {axis name: group}, root mesh) for every sharded parameter."""
+    layouts = {fqn: (info.layout, {n: info.mesh.get_group(n) for n in info.mesh.mesh_dim_names}, info.mesh.root)
                for fqn, info in tp_params(model)}
-    layouts.update({fqn: (p.layout, p.axis_groups) for fqn, p in fsdp_params(model)})  # 2D wins
+    layouts.update({fqn: (p.layout, p.axis_groups, p.mesh.root) for fqn, p in fsdp_params(model)})  # 2D wins
     return layouts
 
 
@@ -58,9 +60,9 @@ def model_entries(model: nn.Module) -> list[Entry]:
     layouts = _layouts(model)
     entries = []
     for fqn, p in _named_params(model).items():
-        lay, groups = layouts.get(fqn, (None, {}))
+        lay, groups, mesh = layouts.get(fqn, (None, {}, None))
         shape = lay.global_shape if lay is not None else tuple(p.shape)
-        entries.append(Entry(f"model/{fqn}", local_of(p).detach(), lay, shape, groups))
+        entries.append(Entry(f"model/{fqn}", local_of(p).detach(), lay, shape, groups, mesh))
     for fqn, buf in model.named_buffers():
         mod_name, _, bname = fqn.rpartition(".")
         owner = model.get_submodule(mod_name) if mod_name else model
@@ -118,13 +120,13 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
             state = optimizer.state.get(p)
             if not state:
                 continue
-            lay, groups = layouts.get(fqn, (None, {}))
+            lay, groups, mesh = layouts.get(fqn, (None, {}, None))
             for key, value in sorted(state.items()):
                 if not isinstance(value, torch.Tensor):
                     continue
                 if value.shape == p.shape and value.ndim > 0:  # DTensor state of a DTensor parameter
                     shape = lay.global_shape if lay is not None else tuple(p.shape)
-                    entries.append(Entry(f"optim/{fqn}/{key}", local_of(value), lay, shape, groups))
+                    entries.append(Entry(f"optim/{fqn}/{key}", local_of(value), lay, shape, groups, mesh))
                 else:
                     entries.append(Entry(f"optim/{fqn}/{key}", local_of(value), None, tuple(value.shape)))
     return entries

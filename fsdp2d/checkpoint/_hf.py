@@ -50,9 +50,8 @@ def _assemble(folder: Folder, hf_name: str, parts: list) -> torch.Tensor:
     saved by a tensor-parallel run, must equal the embedding: it is checked, not written)."""
     tensors, seen = [], {}
     for k, name, rule in parts:
-        meta = folder.index["tensors"][name]
-        shape = tuple(meta["shape"])
-        full = read_box(folder, meta, name, Box((0,) * len(shape), shape))
+        shape = tuple(folder.index["tensors"][name]["shape"])
+        full = read_box(folder, name, Box((0,) * len(shape), shape))
         if k in seen:
             if not torch.equal(seen[k][1], full):
                 raise HFError(f"{name} and {seen[k][0]} are tied in the config but differ in the checkpoint "

@@ -1,24 +1,49 @@
-"""The checkpoint index, checked whole before anything is read into a model.
+"""The checkpoint index: each tensor's layout, checked whole before anything is read.
+
+Format (``fsdp2d.index.json``, version 2)::
+
+    {"format": "fsdp2d", "version": 2, "id": "<the save's id>", "world_size": 8192,
+     "mesh": {"axes": ["dp", "tp"], "shape": [1024, 8]},
+     "extra": {...}, "optim_hparams": [...],
+     "tensors": {"model/layers.0.attention.wq.weight":
+                 {"dtype": "float32", "shape": [4096, 4096],
+                  "layout": {"axes": ["tp", "dp"], "placements": ["S(0)", "S(0)"],
+                             "split_order": [0, 1]}}}}
+
+Its size is O(parameters), whatever the world size: an entry holds a tensor's layout
+(placements over some of the mesh's axes, ``S(dim)`` or ``R``), not its boxes. Every
+box follows from the layout (:class:`~fsdp2d.placement.Layout`), and so does its file:
+the box of layout coordinate ``c`` is written once, by its replica owner, the rank at
+``c`` on the layout's axes and 0 on the others, into ``rank<r>.safetensors`` where
+``r`` is that rank's row-major index in ``mesh`` (:func:`writer_file`), under the
+tensor's name. A tensor on no axis is one box, in ``rank00000.safetensors`` or (an
+export) under the optional ``"key"`` in the ``"file"`` its entry names. What a box's
+file must hold (its offset and sha256) is in that file's own manifest (``_files``), so
+nothing in the index grows with the number of ranks.
 
 ``validate_index`` accepts only a document ``save`` could have written: every field's
-type, every name, every box inside its tensor, the boxes of a tensor adding up to
-exactly its size, each (file, key) used once, file names that are plain names inside
-the folder, and a sha256 for every box. A hostile or damaged index therefore fails
-here, with an error naming the field, before a file is opened or a byte allocated.
-What the index cannot tell (a file's own dtype, shape and bytes) is checked against
-the safetensors header and the checksum when each box is read (``_files``).
+type, every name, axes that are the mesh's (each once), placements on dims the tensor
+has (no ``Partial``: a summand is not a value to save), a split order over the
+layout's axes, file names that are plain names inside the folder. Such a layout tiles
+its tensor exactly by construction (``torch.chunk`` pieces, each split dividing the
+previous piece), so a hostile index fails here, naming the tensor and the field,
+before a file is opened or a byte allocated. What the index cannot tell (a file's
+dtype, shapes, offsets and bytes) is checked against the file's header, manifest and
+checksums when each box is read (``_files``).
 """
 
 from __future__ import annotations
 
-import math
+import json
 import re
 from typing import Any
 
 import torch
 
+from ..placement import Layout, Placement, Replicate, Shard
+
 INDEX = "fsdp2d.index.json"
-FORMAT, VERSION = "fsdp2d", 1
+FORMAT, VERSION = "fsdp2d", 2
 
 # index dtype name -> safetensors dtype code (the only dtypes a checkpoint may hold)
 DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
@@ -27,7 +52,8 @@ DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF1
           "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 TORCH_DTYPES = {code: getattr(torch, name) for name, code in DTYPES.items() if hasattr(torch, name)}
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+_PLACEMENT = re.compile(r"S\(([0-9]{1,2})\)|R")
 _MAX_NDIM = 64
 
 
@@ -65,34 +91,32 @@ class _Checker:
             self.fail(msg)
 
 
-def validate_index(index: Any, where: str) -> dict:
-    """``index`` if it is a well-formed fsdp2d index, else :class:`CheckpointError`."""
+def validate_index(index: Any, where: str) -> tuple[dict, dict[str, Layout]]:
+    """``(index, {tensor name: its Layout})`` if ``index`` is a well-formed fsdp2d
+    index, else :class:`CheckpointError`. The layouts are at coordinate 0 (see
+    :meth:`~fsdp2d.placement.Layout.owners_intersecting` for the others)."""
     c = _Checker(where)
     c.need(isinstance(index, dict), "the index is not a JSON object")
     if index.get("format") != FORMAT or index.get("version") != VERSION:
+        older = " (written by an older fsdp2d, which listed every box: load it with that version and save " \
+                "again)" if index.get("format") == FORMAT and index.get("version") == 1 else ""
         raise CheckpointError(f"{where}: unsupported format {index.get('format')!r} version "
-                              f"{index.get('version')!r} (this fsdp2d reads {FORMAT!r} version {VERSION})")
-    missing = [k for k in ("world_size", "mesh", "extra", "optim_hparams", "files", "tensors") if k not in index]
+                              f"{index.get('version')!r} (this fsdp2d reads {FORMAT!r} version {VERSION}){older}")
+    missing = [k for k in ("id", "world_size", "mesh", "extra", "optim_hparams", "tensors") if k not in index]
     c.need(not missing, f"missing fields {missing}")
     c.need(_is_int(index["world_size"], 1), f"world_size={index['world_size']!r} is not an int >= 1")
     mesh = index["mesh"]
     c.need(isinstance(mesh, dict) and isinstance(mesh.get("axes"), list)
-           and all(isinstance(a, str) for a in mesh["axes"]) and _ints(mesh.get("shape"), len(mesh["axes"]), 1),
-           "mesh must be {\"axes\": [names], \"shape\": [sizes]}")
+           and all(isinstance(a, str) for a in mesh["axes"]) and len(set(mesh["axes"])) == len(mesh["axes"])
+           and _ints(mesh.get("shape"), len(mesh["axes"]), 1),
+           "mesh must be {\"axes\": [distinct names], \"shape\": [sizes >= 1]}")
     c.need(isinstance(index["extra"], dict), "extra is not a JSON object")
-    c.need("id" not in index or isinstance(index["id"], str), "id is not a string")
+    c.need(isinstance(index["id"], str), "id is not a string")
     _check_hparams_doc(c, index["optim_hparams"])
-    files = index["files"]
-    c.need(isinstance(files, dict), "files is not a JSON object")
-    for name, info in files.items():
-        c.need(valid_file_name(name), f"file name {name!r} is not a plain name inside the checkpoint folder")
-        c.need(isinstance(info, dict) and _is_int(info.get("size")), f"files[{name!r}] needs an int size >= 0")
     tensors = index["tensors"]
     c.need(isinstance(tensors, dict), "tensors is not a JSON object")
-    used: set[tuple[str, str]] = set()
-    for name, meta in tensors.items():
-        _check_tensor(c, name, meta, files, used)
-    return index
+    sizes = dict(zip(mesh["axes"], mesh["shape"]))
+    return index, {name: _check_tensor(c, name, meta, sizes) for name, meta in tensors.items()}
 
 
 def _check_hparams_doc(c: _Checker, hp: Any) -> None:
@@ -111,32 +135,80 @@ def _json_scalar(v: Any) -> bool:
     return v is None or isinstance(v, (bool, int, float, str))
 
 
-def _check_tensor(c: _Checker, name: Any, meta: Any, files: dict, used: set) -> None:
+def _check_tensor(c: _Checker, name: Any, meta: Any, mesh: dict[str, int]) -> Layout:
     c.need(isinstance(name, str) and name.startswith(("model/", "optim/")),
            f"tensor name {name!r} must start with 'model/' or 'optim/'")
     c.need(isinstance(meta, dict), f"tensors[{name!r}] is not an object")
-    c.need(meta.get("dtype") in DTYPES, f"{name!r}: dtype {meta.get('dtype')!r} is not one of {sorted(DTYPES)}")
+    c.need(isinstance(meta.get("dtype"), str) and meta["dtype"] in DTYPES,
+           f"{name!r}: dtype {meta.get('dtype')!r} is not one of {sorted(DTYPES)}")
     shape = meta.get("shape")
     c.need(_ints(shape, None), f"{name!r}: shape {shape!r} is not a list of ints >= 0")
-    boxes = meta.get("boxes")
-    c.need(isinstance(boxes, list), f"{name!r}: boxes is not a list")
-    total = 0
-    for i, b in enumerate(boxes):
-        what = f"{name!r} box {i}"
-        c.need(isinstance(b, dict), f"{what} is not an object")
-        c.need(_ints(b.get("offset"), len(shape)) and _ints(b.get("shape"), len(shape), 1),
-               f"{what}: offset and shape must be {len(shape)} ints (shape >= 1 each)")
-        c.need(all(o + n <= s for o, n, s in zip(b["offset"], b["shape"], shape)),
-               f"{what} (offset {b['offset']}, shape {b['shape']}) reaches outside the tensor's shape {shape}")
-        c.need(valid_file_name(b.get("file")) and b["file"] in files,
-               f"{what}: file {b.get('file')!r} is not a file listed in the index")
-        c.need(isinstance(b.get("key"), str) and b["key"] != "__metadata__", f"{what}: key is not a string")
-        c.need((b["file"], b["key"]) not in used, f"{what}: {b['file']}/{b['key']} is used by another box too")
-        used.add((b["file"], b["key"]))
-        c.need(isinstance(b.get("sha256"), str) and _SHA256.fullmatch(b["sha256"]) is not None,
-               f"{what}: sha256 is missing or not 64 lowercase hex digits (every box is verified)")
-        total += math.prod(b["shape"])
-    c.need(total == math.prod(shape), f"{name!r}: its boxes hold {total} elements, the tensor {math.prod(shape)}")
+    layout = _check_layout(c, name, meta.get("layout"), shape, mesh)
+    if "file" in meta or "key" in meta:  # an export's tensor: one box, in a file of its own naming
+        c.need(valid_file_name(meta.get("file")), f"{name!r}: file {meta.get('file')!r} is not a plain name "
+                                                  f"inside the checkpoint folder")
+        c.need(isinstance(meta.get("key"), str) and meta["key"] != "__metadata__", f"{name!r}: key is not a string")
+        c.need(not layout.axis_names, f"{name!r}: 'file' and 'key' are only for a tensor on no mesh axis (one box)")
+    return layout
+
+
+def _check_layout(c: _Checker, name: str, layout: Any, shape: list[int], mesh: dict[str, int]) -> Layout:
+    """The Layout an index entry describes (a layout that does not tile is refused)."""
+    what = f"{name!r}: layout"
+    c.need(isinstance(layout, dict) and all(isinstance(layout.get(k), list)
+                                            for k in ("axes", "placements", "split_order")),
+           f"{what} must be {{\"axes\": [...], \"placements\": [...], \"split_order\": [...]}}")
+    axes, placements, order = layout["axes"], layout["placements"], layout["split_order"]
+    c.need(len(axes) == len(placements) == len(order), f"{what} needs one placement and split position per axis")
+    c.need(all(isinstance(a, str) and a in mesh for a in axes) and len(set(axes)) == len(axes),
+           f"{what} axes {axes!r} are not distinct axes of the mesh {sorted(mesh)}")
+    c.need(sorted(o for o in order if _is_int(o)) == list(range(len(axes))),
+           f"{what} split_order {order!r} is not a permutation of 0..{len(axes) - 1}")
+    parsed: list[Placement] = []
+    for p in placements:
+        m = _PLACEMENT.fullmatch(p) if isinstance(p, str) else None
+        c.need(m is not None and (m.group(1) is None or int(m.group(1)) < len(shape)),
+               f"{what} placement {p!r} is not 'R' or 'S(dim)' with dim < {len(shape)} (nothing else tiles the "
+               f"tensor exactly)")
+        parsed.append(Replicate() if m.group(1) is None else Shard(int(m.group(1))))
+    return Layout(tuple(shape), tuple(mesh[a] for a in axes), tuple(axes), tuple(parsed), (0,) * len(axes),
+                  tuple(order))
+
+
+def describe_layout(layout: Layout | None) -> dict:
+    """The index's description of ``layout`` (None: on no axis), without the coordinate."""
+    if layout is None:
+        return {"axes": [], "placements": [], "split_order": []}
+    bad = [p for p in layout.placements if not isinstance(p, (Shard, Replicate))]
+    if bad:
+        raise ValueError(f"a tensor with placements {layout.placements} cannot be saved: {bad[0]} holds a "
+                         f"summand, not a piece of the value")
+    return {"axes": list(layout.axis_names),
+            "placements": [f"S({p.dim})" if isinstance(p, Shard) else "R" for p in layout.placements],
+            "split_order": list(layout.split_order)}
+
+
+def dump_index(index: dict) -> bytes:
+    """The index as JSON text: indented, one line per tensor (readable, and compact)."""
+    head = json.dumps({k: v for k, v in index.items() if k != "tensors"}, indent=1)
+    tensors = ",\n".join(f"  {json.dumps(name)}: {json.dumps(meta)}" for name, meta in index["tensors"].items())
+    return (head[:-2] + ',\n "tensors": {\n' + tensors + "\n }\n}\n").encode()
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def writer_file(mesh: tuple[tuple[str, ...], tuple[int, ...]], axes: tuple[str, ...],
+                coordinate: tuple[int, ...]) -> str:
+    """The data file of the rank at ``coordinate`` on ``axes`` and 0 on the mesh's other
+    axes: ``rank<r>.safetensors``, ``r`` its row-major index in the mesh ``(axes, shape)``.
+    A box is in the file of its replica owner's coordinate (0 on every non-Shard axis)."""
+    at = dict(zip(axes, coordinate))
+    index = 0
+    for axis, size in zip(*mesh):
+        index = index * size + at.get(axis, 0)
+    return rank_file(index)
 
 
 def check_hparams(index: dict, param_groups: list[dict], where: str) -> None:

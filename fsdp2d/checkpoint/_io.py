@@ -1,81 +1,50 @@
-"""Save and load: safetensors shards plus a JSON index of boxes, on any mesh.
+"""Save and load: one safetensors file per writing rank plus a JSON index of layouts.
 
-Format (``fsdp2d.index.json`` in the checkpoint folder)::
+The format is in ``_index`` (the index: each tensor's dtype, global shape and layout
+over the mesh) and ``_files`` (a data file's manifest: its boxes' offsets and sha256).
+Nothing a rank sends, writes or parses grows with the world size beyond its own data
+(DESIGN items 7 and 9).
 
-    {"format": "fsdp2d", "version": 1, "mesh": {...}, "extra": {...}, "optim_hparams": [...],
-     "files": {"rank00003.safetensors": {"size": 1234}},
-     "tensors": {"model/layers.0.attention.wq.weight":
-                 {"dtype": "float32", "shape": [64, 64],
-                  "boxes": [{"offset": [0, 0], "shape": [16, 64],
-                             "file": "rank00000.safetensors", "key": "...", "sha256": "..."},
-                            ...]}}}
+Save: every rank describes the tensors from its own layouts, no box lists exchanged:
+the description (the index's tensors and mesh) is the same on every rank, and one
+all-reduce of a few integers (``_agree``) checks that it is, carries every rank-local
+error (``extra`` not JSON-able, a parameter on another mesh...) so one failing rank
+makes all raise at once, and draws the save's id. Each rank then writes the boxes it is
+the replica owner of (a replicated piece once) into its own file with their sha256;
+rank 0 writes the index. Files go to a temporary folder, are fsynced, and become
+``PATH`` atomically (``_commit``): at every instant ``PATH`` is the old or the new
+complete checkpoint. Each step ends with the same O(1) agreement.
 
-Save: every rank lists the boxes it holds; the lowest rank holding a box writes it (so
-a replicated piece is written once, with its sha256 in the index); every rank-local
-check (``extra`` JSON-able, the optimizer's parameters) runs before the first
-collective and travels with it, so one failing rank makes all raise at once. Files go to
-a temporary folder, are fsynced, and become ``PATH`` atomically (``_commit``): at every
-instant ``PATH`` is the old or the new complete checkpoint. Load: the index is
-validated whole (``_index``); every rank reads, through one descriptor of the folder,
-only the saved boxes that intersect its own (each once, checked against the file's
-header and its sha256; their intersections must cover what it needs exactly once),
-stages everything, and only when all ranks succeeded and read the same index (its
-sha256) copies into the model and optimizer. Nothing is unpickled: JSON and safetensors.
+Load: the index is validated whole (``_index``); every rank computes from each saved
+layout which boxes meet its own (``Layout.owners_intersecting``, never walking the
+mesh) and reads, through one descriptor of the folder, only those (each once, checked
+against its file's header and manifest and its sha256), stages everything, and only
+when all ranks succeeded and read the same index (its sha256) copies into the model and
+optimizer. Nothing is unpickled: JSON and safetensors.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save as st_save
 
+from ..mesh import DeviceMesh
 from ..placement import Box
 from . import _commit, _files
+from ._agree import agree
 from ._entries import (Entry, materialize_state, model_entries, optimizer_entries, optimizer_hparams,
                        param_fqns)
-from ._files import Folder, _digest
-from ._index import FORMAT, INDEX, VERSION, CheckpointError, check_hparams
+from ._files import Folder, _digest, manifest
+from ._index import (FORMAT, INDEX, VERSION, CheckpointError, check_hparams, describe_layout, dump_index,
+                     writer_file)
 
 __all__ = ["save", "load", "read_index", "read_box", "CheckpointError", "INDEX"]
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _all_gather_objects(obj: Any) -> list[Any]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)  # our own processes' metadata, never file contents
-    return out
-
-
-def _errors_everywhere(error: str, same: tuple[str, Any] | None = None) -> list[str]:
-    """Every rank's error message (empty ones dropped), on every rank. Each step that can
-    fail ends with this collective, so one failing rank makes all ranks raise together
-    instead of leaving its peers waiting in the next collective. ``same = (what, value)``:
-    a value that must be equal on all ranks, else that is the error."""
-    gathered = _all_gather_objects((error, same[1] if same else None))
-    errors = [e for e, _ in gathered if e]
-    values = [v for _, v in gathered]
-    if same and not errors and any(v != values[0] for v in values):
-        diff = [r for r, v in enumerate(values) if v != values[0]]
-        errors.append(f"the ranks disagree on {same[0]}: ranks {diff} have {values[diff[0]]!r}, "
-                      f"rank 0 has {values[0]!r}")
-    return errors
-
-
-def _key(e: Entry) -> str:
-    return f"{e.name}@{','.join(map(str, e.box.global_offset))}"
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -89,14 +58,67 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _local_meta(model: torch.nn.Module, optimizer, extra: dict | None) -> tuple[list[Entry], list]:
-    """This rank's entries and their metadata; raises on anything rank-local."""
+@dataclass
+class _Plan:
+    """What this rank saves: the index's mesh and tensors (equal on every rank), and the
+    entries it writes into ``file`` (None: it writes nothing)."""
+
+    mesh: dict
+    tensors: dict
+    mine: list[Entry]
+    file: str | None
+
+    @property
+    def digest(self) -> str:
+        return json.dumps({"mesh": self.mesh, "tensors": self.tensors}, sort_keys=True)
+
+
+def _model_mesh(entries: list[Entry]) -> DeviceMesh | None:
+    """The one root mesh of every sharded entry (None: nothing is sharded)."""
+    meshes = list({id(e.mesh): e.mesh for e in entries if e.mesh is not None}.values())
+    for m in meshes[1:]:
+        if (m.mesh_dim_names, m.shape) != (meshes[0].mesh_dim_names, meshes[0].shape) \
+                or not torch.equal(m.mesh, meshes[0].mesh):
+            raise ValueError(f"the model's parameters lie on two meshes ({meshes[0]} and {m}); a checkpoint holds "
+                             f"one: build one mesh with init_device_mesh and slice it for TP and FSDP")
+    return meshes[0] if meshes else None
+
+
+def _plan(model: torch.nn.Module, optimizer, extra: dict | None) -> _Plan:
+    """This rank's plan; raises on anything rank-local."""
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict, not {type(extra).__name__}")
     json.dumps(extra or {})  # JSON-able?
     entries = model_entries(model) + (optimizer_entries(model, optimizer) if optimizer else [])
-    return entries, [(_key(e), e.name, _dtype_name(e.tensor.dtype), e.global_shape, e.box.global_offset,
-                      e.box.local_shape) for e in entries]
+    root = _model_mesh(entries)
+    if root is None:  # one box per tensor, written by rank 0
+        mesh, coord = ((), ()), (() if not dist.is_initialized() or dist.get_rank() == 0 else None)
+    else:
+        mesh, coord = (root.mesh_dim_names, root.shape), root.get_coordinate()
+    tensors = {}
+    for e in entries:
+        if e.layout is not None:
+            _check_on_mesh(e, root)
+        tensors[e.name] = {"dtype": _dtype_name(e.tensor.dtype), "shape": list(e.global_shape),
+                           "layout": describe_layout(e.layout)}
+    file = writer_file(mesh, mesh[0], coord) if coord is not None else None
+    mine = [e for e in entries if file is not None and e.box.numel() and _writer(mesh, e) == file]
+    return _Plan({"axes": list(mesh[0]), "shape": list(mesh[1])}, tensors, mine, file)
+
+
+def _writer(mesh: tuple, e: Entry) -> str | None:
+    """The file of ``e``'s box if this rank is its replica owner, else None."""
+    if e.layout is None:
+        return writer_file(mesh, (), ())
+    return writer_file(mesh, e.layout.axis_names, e.layout.coordinate) if e.layout.is_replica_owner() else None
+
+
+def _check_on_mesh(e: Entry, root: DeviceMesh) -> None:
+    lay, names = e.layout, root.mesh_dim_names
+    if any(a not in names or root.size(a) != n or root.get_local_rank(a) != c
+           for a, n, c in zip(lay.axis_names, lay.mesh_shape, lay.coordinate)):
+        raise ValueError(f"{e.name}: its layout (axes {lay.axis_names}, sizes {lay.mesh_shape}, coordinate "
+                         f"{lay.coordinate}) does not sit on the model's mesh {root}")
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -108,117 +130,75 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     version folder beside it (``.NAME.v<id>``), replaced atomically: at every instant it
     is the previous or the new complete checkpoint, and a failed or killed save leaves
     the previous one as it was (its leftovers are deleted by the next save to ``path``).
-    An error on any rank (``extra`` not JSON-able, a disk error...) raises
-    :class:`CheckpointError` on every rank.
+    An error on any rank (``extra`` not JSON-able, a disk error, ranks holding different
+    tensors...) raises :class:`CheckpointError` on every rank. Each rank sends a few
+    integers and writes its own boxes, whatever the world size.
     """
-    rank, _ = _rank_world()
+    rank = dist.get_rank() if dist.is_initialized() else 0
     path = Path(path)
-    entries, all_meta, nonce = _plan(path, rank, model, optimizer, extra)
-    writer = _assign_writers(all_meta)
+    plan, error = None, ""
+    try:
+        plan = _plan(model, optimizer, extra)
+    except Exception as exc:
+        error = f"rank {rank}: {exc!r}"
+    agreed = agree(error, plan.digest if plan is not None else "",
+                   "the tensors to save (names, dtypes, global shapes, layouts or the mesh): build the same "
+                   "model and optimizer on every rank")
+    _fail_together(path, agreed.error)
+    assert plan is not None
+    nonce, tmp = agreed.nonce, _commit.tmp_path(path, agreed.nonce)
     lock, error = None, ""
     if rank == 0:
         try:
             lock = _commit.begin(path, nonce)
         except Exception as exc:
-            error = f"rank 0: cannot create {_commit.tmp_path(path, nonce)}: {exc}"
-    _fail_together(path, _errors_everywhere(error))
-    file_info, error = None, ""
+            error = f"rank 0: cannot create {tmp}: {exc}"
+    _fail_together(path, agree(error).error)
+    error = ""
     try:
-        file_info = _write_rank_file(_commit.tmp_path(path, nonce), rank,
-                                     {_key(e): e for e in entries if writer.get(_key(e)) == rank})
+        _write_rank_file(tmp, plan, nonce)
         _commit.phase("shards")
     except Exception as exc:
         error = f"rank {rank}: {exc!r}"
-    infos = _all_gather_objects((file_info, error))
-    _fail_together(path, [e for _, e in infos if e], (nonce, lock) if rank == 0 else None)
+    _fail_together(path, agree(error).error, (nonce, lock) if rank == 0 else None)
     error = ""
     if rank == 0:
         try:
-            written = [i for i, _ in infos if i is not None]
-            index = _index_document(
-                files={name: {"size": size} for name, size, _ in written},
-                tensors=_tensor_index(all_meta, writer, {k: d for *_, ds in written for k, d in ds.items()}),
-                world_size=len(all_meta), mesh=_mesh_meta(entries), extra=extra or {},
-                optim_hparams=optimizer_hparams(optimizer) if optimizer else None, id=nonce)
-            _fsync_write(_commit.tmp_path(path, nonce) / INDEX, json.dumps(index, indent=1).encode())
+            index = _index_document(tensors=plan.tensors, mesh=plan.mesh, extra=extra or {}, id=nonce,
+                                    world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                                    optim_hparams=optimizer_hparams(optimizer) if optimizer else None)
+            _fsync_write(tmp / INDEX, dump_index(index))
             _commit.phase("index")
             lock, fd = None, lock
             _commit.commit(path, nonce, fd)
         except Exception as exc:
             _commit.abort(path, nonce, lock)
             error = f"rank 0: committing {path}: {exc!r}"
-    _fail_together(path, _errors_everywhere(error))
+    _fail_together(path, agree(error).error)
 
 
-def _plan(path: Path, rank: int, model, optimizer, extra) -> tuple[list[Entry], list, str]:
-    """The first collective: every rank's boxes, or any rank's local error (raised on
-    all ranks), and the save's id (rank 0's)."""
-    entries, meta, error = [], [], ""
-    try:
-        entries, meta = _local_meta(model, optimizer, extra)
-    except Exception as exc:
-        error = f"rank {rank}: {exc!r}"
-    gathered = _all_gather_objects((meta, error, uuid.uuid4().hex[:16]))
-    _fail_together(path, [e for _, e, _ in gathered if e])
-    return entries, [m for m, _, _ in gathered], gathered[0][2]
+def _write_rank_file(tmp: Path, plan: _Plan, nonce: str) -> None:
+    """This rank's boxes as one safetensors file, keyed by tensor name, with its manifest."""
+    if not plan.mine or plan.file is None:
+        return
+    tensors = {e.name: e.tensor.detach().contiguous().cpu() for e in plan.mine}
+    boxes = {e.name: (e.box.global_offset, _digest(tensors[e.name])) for e in plan.mine}
+    _fsync_write(tmp / plan.file, st_save(tensors, metadata=manifest(nonce, plan.file, boxes)))
 
 
-def _assign_writers(all_meta: list[list]) -> dict[str, int]:
-    """Each distinct non-empty box is written by the lowest rank holding it (replicas once)."""
-    writer: dict[str, int] = {}
-    for r, rows in enumerate(all_meta):
-        for key, *_, shape in rows:
-            if key not in writer and all(shape):
-                writer[key] = r
-    return writer
-
-
-def _write_rank_file(tmp: Path, rank: int, mine: dict[str, Entry]) -> tuple | None:
-    """Write this rank's boxes as one safetensors file; (file name, size, {key: sha256})."""
-    if not mine:
-        return None
-    tensors = {k: e.tensor.detach().contiguous().cpu() for k, e in mine.items()}
-    data = st_save(tensors)
-    fname = f"rank{rank:05d}.safetensors"
-    _fsync_write(tmp / fname, data)
-    return fname, len(data), {k: _digest(t) for k, t in tensors.items()}
-
-
-def _fail_together(path: Path, errors: list[str], cleanup: tuple | None = None) -> None:
-    """Raise on every rank when any rank failed (``errors`` gathered collectively)."""
-    if errors:
+def _fail_together(path: Path, error: str, cleanup: tuple | None = None) -> None:
+    """Raise on every rank when any rank failed (``error`` agreed collectively)."""
+    if error:
         if cleanup is not None:
             _commit.abort(path, *cleanup)
-        raise CheckpointError(f"save to {path} failed, previous checkpoint kept: {'; '.join(errors)}")
+        raise CheckpointError(f"save to {path} failed, previous checkpoint kept: {error}")
 
 
-def _index_document(*, files: dict, tensors: dict, world_size: int, mesh: dict, extra: dict,
-                    optim_hparams: list | None, id: str) -> dict:
-    """The ``fsdp2d.index.json`` document (see the module docstring)."""
+def _index_document(*, tensors: dict, world_size: int, mesh: dict, extra: dict, optim_hparams: list | None,
+                    id: str) -> dict:
+    """The ``fsdp2d.index.json`` document (see ``_index``)."""
     return {"format": FORMAT, "version": VERSION, "id": id, "world_size": world_size, "mesh": mesh,
-            "extra": extra, "optim_hparams": optim_hparams, "files": files, "tensors": tensors}
-
-
-def _tensor_index(all_meta: list[list], writer: dict[str, int], digests: dict[str, str]) -> dict:
-    tensors: dict[str, dict] = {}
-    written: set[str] = set()
-    for rows in all_meta:
-        for key, name, dtype, gshape, offset, shape in rows:
-            t = tensors.setdefault(name, {"dtype": dtype, "shape": list(gshape), "boxes": []})
-            if key in writer and key not in written:
-                written.add(key)
-                t["boxes"].append({"offset": list(offset), "shape": list(shape),
-                                   "file": f"rank{writer[key]:05d}.safetensors", "key": key,
-                                   "sha256": digests[key]})
-    return tensors
-
-
-def _mesh_meta(entries: list[Entry]) -> dict:
-    layouts = [e.layout for e in entries if e.layout is not None]
-    best = max(layouts, key=lambda l: len(l.mesh_shape), default=None)
-    if best is None:
-        return {"axes": [], "shape": []}
-    return {"axes": list(best.axis_names), "shape": list(best.mesh_shape)}
+            "extra": extra, "optim_hparams": optim_hparams, "tensors": tensors}
 
 
 # -- load --------------------------------------------------------------------------------
@@ -228,31 +208,26 @@ def read_index(path: str | os.PathLike) -> dict:
         return folder.index
 
 
-def read_box(folder: Folder, meta: dict, name: str, target: Box) -> torch.Tensor:
-    """Assemble ``target`` (a box of tensor ``name``) from the saved boxes it intersects,
-    which must cover it exactly once; their headers are checked before anything is
-    allocated, and each box is read whole (to verify it) and dropped after use."""
+def read_box(folder: Folder, name: str, target: Box) -> torch.Tensor:
+    """Assemble ``target`` (a box of tensor ``name``) from the saved boxes that meet it,
+    computed from the tensor's saved layout; each box's header and manifest are checked
+    before anything is allocated, and each is read whole (to verify it), then dropped."""
     parts = []
-    for b in meta["boxes"]:
-        saved = Box(tuple(b["offset"]), tuple(b["shape"]))
-        inter = target.intersect(saved)
-        if inter is not None and inter.numel():
-            parts.append((b, saved, inter))
+    for coord, saved in folder.layouts[name].owners_intersecting(target):
+        parts.append((folder.source(name, coord), saved, target.intersect(saved)))
     covered = sum(inter.numel() for *_, inter in parts)
-    overlap = any(x.intersect(y) is not None for i, (*_, x) in enumerate(parts) for *_, y in parts[i + 1:])
-    if covered != target.numel() or overlap:
-        raise CheckpointError(f"{folder.path}: the boxes of {name!r} do not cover the part this rank needs "
-                              f"exactly once ({covered} of {target.numel()} elements"
-                              f"{', overlapping' if overlap else ''}); the index is damaged")
-    for b, _, _ in parts:
-        folder.check(b, meta["dtype"])
-    out = _files._empty(target.local_shape, getattr(torch, meta["dtype"]))
-    for b, saved, inter in parts:
+    if covered != target.numel():  # (a validated layout tiles: the last guard before a model sees garbage)
+        raise CheckpointError(f"{folder.path}: the layout of {name!r} covers {covered} of the "
+                              f"{target.numel()} elements this rank needs; the index is damaged")
+    for source, saved, _ in parts:
+        folder.check(source, name, saved)
+    out = _files._empty(target.local_shape, getattr(torch, folder.index["tensors"][name]["dtype"]))
+    for source, saved, inter in parts:
         src = tuple(slice(o - so, o - so + n) for o, so, n in zip(inter.global_offset, saved.global_offset,
                                                                   inter.local_shape))
         dst = tuple(slice(o - to, o - to + n) for o, to, n in zip(inter.global_offset, target.global_offset,
                                                                  inter.local_shape))
-        box = folder.read(b, meta["dtype"])
+        box = folder.read(source, name, saved)
         out[dst] = box[src] if src else box
         del box
     return out
@@ -296,7 +271,7 @@ def _stage(folder: Folder, model, optimizer, created: list) -> tuple[list[Entry]
         if meta["dtype"] != _dtype_name(e.tensor.dtype):
             raise CheckpointError(f"{path}: {e.name!r} is {meta['dtype']} in the checkpoint, "
                                   f"{_dtype_name(e.tensor.dtype)} in the model; cast the model first")
-    staged = {e.name: read_box(folder, index["tensors"][e.name], e.name, e.box) for e in entries}
+    staged = {e.name: read_box(folder, e.name, e.box) for e in entries}
     return entries, staged, fresh
 
 
@@ -326,13 +301,14 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     except Exception as exc:  # any failure must reach the collective below, or peers hang
         error = CheckpointError(f"loading {path} failed: {exc!r}")
         error.__cause__ = exc
-    errors = _errors_everywhere(str(error) if error is not None else "",
-                                same=("the checkpoint they read (the sha256 of its index: was it replaced "
-                                      "during the load? load again)", digest))
-    if errors:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    agreed = agree(f"rank {rank}: {error}" if error is not None else "", digest or "",
+                   "the checkpoint they read (the sha256 of its index: was it replaced during the load? "
+                   "load again)")
+    if agreed.error:
         for p in created:  # leave the optimizer as it was
             optimizer.state.pop(p, None)
-        raise error or CheckpointError(f"loading {path} failed, nothing was changed: {'; '.join(errors)}")
+        raise error or CheckpointError(f"loading {path} failed, nothing was changed: {agreed.error}")
     with torch.no_grad():
         for e in entries:
             e.tensor.copy_(staged[e.name])

@@ -33,17 +33,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy,
                                     StateDictType)
-from torch.distributed.tensor import Replicate as TReplicate, Shard as TShard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_map
 
 from .. import wrap as _wrap
-from .._dtensor import as_dtensor
 from ..clip import clip_grad_norm_ as _clip
 from ..fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ..fsdp.api import FSDPModule, fully_shard
+from ..fsdp.api import fully_shard
 from ..tensor_parallel._params import tp_params
-from . import _mesh, _state_dict
+from . import _init, _mesh, _state_dict
 
 _RESHARD_AFTER_FORWARD = {
     ShardingStrategy.FULL_SHARD: True, ShardingStrategy.HYBRID_SHARD: True,
@@ -51,9 +48,15 @@ _RESHARD_AFTER_FORWARD = {
     ShardingStrategy.NO_SHARD: False,
 }
 _LOCAL = threading.local()  # .depth: FSDP1 forwards in progress (the outermost is the root's)
-_KWARGS = ("process_group", "sharding_strategy", "cpu_offload", "auto_wrap_policy", "backward_prefetch",
-           "mixed_precision", "ignored_modules", "param_init_fn", "device_id", "sync_module_states",
-           "forward_prefetch", "limit_all_gathers", "use_orig_params", "ignored_states", "device_mesh")
+
+
+def _unsupported(name: str) -> Any:
+    def method(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"FullyShardedDataParallel.{name} (deprecated in torch) is not supported by fsdp2d; save with "
+            f"FSDP.optim_state_dict(model, optim) and load with optim.load_state_dict("
+            f"FSDP.optim_state_dict_to_load(model, optim, osd))")
+    return staticmethod(method)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -75,13 +78,13 @@ class FullyShardedDataParallel(nn.Module):
                       param_init_fn=param_init_fn, device_id=device_id, sync_module_states=sync_module_states,
                       forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
                       use_orig_params=use_orig_params, device_mesh=device_mesh)
-        ignored_mods, ignored_params = _ignored(module, ignored_modules, ignored_states)
-        parents = _parents(module)
+        ignored_mods, ignored_params = _init.ignored(module, ignored_modules, ignored_states)
+        parents = _init.parents(module)
         for child, child_kwargs in _wrap.targets(module, auto_wrap_policy, ignored_mods, ignored_params,
                                                  {**kwargs, "auto_wrap_policy": auto_wrap_policy}):
             unit = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
             nn.Module.__init__(unit)
-            unit._setup(child, _unit_kwargs(child_kwargs), ignored_params)
+            unit._setup(child, _init.unit_kwargs(child_kwargs), ignored_params)
             for parent, name in parents.get(id(child), []):
                 parent._modules[name] = unit
         self._setup(module, kwargs, ignored_params)
@@ -98,15 +101,15 @@ class FullyShardedDataParallel(nn.Module):
         offload: CPUOffload | None = kw["cpu_offload"]
         has_tp = any(True for _ in tp_params(module))
         mesh = _mesh.mesh_for(strategy, kw["process_group"], kw["device_mesh"], has_tp)
-        device = _device_of(kw["device_id"], mesh)
-        _materialize(module, kw["param_init_fn"], device, ignored_params)
+        device = _init.device_of(kw["device_id"], mesh)
+        _init.materialize(module, kw["param_init_fn"], device, ignored_params)
         if device.type != "cpu" and any(p.device.type == "cpu" for p in module.parameters()):
             module.to(device)  # torch moves a CPU module to device_id
         if kw["sync_module_states"]:
-            _broadcast_states(module, mesh, ignored_params)
-        buffer_dtypes = _cast_buffers(module, mp.buffer_dtype if mp is not None else None)
+            _init.broadcast_states(module, mesh, ignored_params)
+        buffer_dtypes = _init.cast_buffers(module, mp.buffer_dtype if mp is not None else None)
         if mp is not None:
-            _check_mp_modules(module, mp)
+            _init.check_mp_modules(module, mp)
         policy = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
                                       cast_forward_inputs=False) if mp is not None else MixedPrecisionPolicy()
         offload_policy = CPUOffloadPolicy() if offload is not None and offload.offload_params else OffloadPolicy()
@@ -121,12 +124,12 @@ class FullyShardedDataParallel(nn.Module):
             group.grad_dtype = mp.param_dtype
         self._fsdp_wrapped_module = module
         self.__dict__.update(
-            _fsdp1_strategy=strategy, _fsdp1_mp=mp, _fsdp1_mesh=mesh, _fsdp1_nested=False,
+            _fsdp1_strategy=strategy, _fsdp1_mp=mp, _fsdp1_offload=offload, _fsdp1_device=device, _fsdp1_mesh=mesh, _fsdp1_nested=False,
             _fsdp1_use_orig_params=bool(kw["use_orig_params"]), _fsdp1_buffer_dtypes=buffer_dtypes,
             _fsdp1_group=group, _fsdp1_settings=_state_dict.default_settings(),
             _fsdp1_given_mesh=kw["device_mesh"] is not None)
         if not kw["use_orig_params"] and group is not None:
-            group.flat_param = _flat_param(group, mesh, type(module).__name__)
+            group.flat_param = _init.flat_param(group, mesh, type(module).__name__)
         _state_dict.install_hooks(self)
 
     # -- nn.Module surface -----------------------------------------------------------------
@@ -185,6 +188,41 @@ class FullyShardedDataParallel(nn.Module):
                 name = name.replace("_fsdp_wrapped_module.", "")
             yield name, p
 
+    # -- FSDP1 attributes ----------------------------------------------------------------
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._fsdp1_strategy
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self._fsdp1_mp if self._fsdp1_mp is not None else MixedPrecision()
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return self._fsdp1_offload if self._fsdp1_offload is not None else CPUOffload()
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group parameters are sharded over (the shard axis; the replicate axis of
+        the hybrid strategies is ``_inter_node_pg``, as in torch)."""
+        return self._fsdp1_mesh.get_group(self._fsdp1_mesh.ndim - 1)
+
+    @property
+    def _inter_node_pg(self) -> dist.ProcessGroup | None:
+        return self._fsdp1_mesh.get_group(0) if self._fsdp1_mesh.ndim == 2 else None
+
+    @property
+    def rank(self) -> int:
+        return self.process_group.rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.process_group.size()
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self._fsdp1_device
+
     # -- FSDP1 methods -------------------------------------------------------------------
     def check_is_root(self) -> bool:
         """Whether this instance is the outermost FSDP1 unit."""
@@ -207,14 +245,22 @@ class FullyShardedDataParallel(nn.Module):
         backward after it reduces their sum. Call on the root."""
         if not self.check_is_root():
             raise RuntimeError("no_sync() on an inner FSDP instance is not supported; call it on the root")
-        units = [m.module for m in self.fsdp_modules(self)]
+        fsdp = self.fsdp_modules(self)
+        units = [m.module for m in fsdp]
+        # As torch: SHARD_GRAD_OP / _HYBRID_SHARD_ZERO2 units keep their parameters
+        # unsharded through no_sync backwards (the next forward gathers nothing).
+        keep = [m.module for m in fsdp if not _RESHARD_AFTER_FORWARD[m._fsdp1_strategy]]
         for u in units:
             u.set_requires_gradient_sync(False, recurse=False)
+        for u in keep:
+            u.set_reshard_after_backward(False, recurse=False)
         try:
             yield
         finally:
             for u in units:
                 u.set_requires_gradient_sync(True, recurse=False)
+            for u in keep:
+                u.set_reshard_after_backward(True, recurse=False)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient of this model to a global ``norm_type``-norm of
@@ -238,6 +284,40 @@ class FullyShardedDataParallel(nn.Module):
         return _optim.optim_state_dict(model, optim, optim_state_dict)
 
     @staticmethod
+    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
+                              rank0_only: bool = True, group: Any = None) -> dict:
+        """torch's older API: ``optim_state_dict`` under FULL_STATE_DICT (CPU tensors;
+        ``rank0_only``: the other ranks get an empty dict)."""
+        from torch.distributed.fsdp import FullOptimStateDictConfig, StateDictType
+
+        from ._optim import optim_state_dict
+        _no_optim_input(optim_input, "full_optim_state_dict")
+        with _state_dict.state_dict_type(model, StateDictType.FULL_STATE_DICT, None,
+                                         FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only)):
+            return optim_state_dict(model, optim)
+
+    @staticmethod
+    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Any = None) -> dict:
+        """torch's older API: ``optim_state_dict`` under SHARDED_STATE_DICT."""
+        from ._optim import optim_state_dict
+        with _state_dict.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            return optim_state_dict(model, optim)
+
+    @staticmethod
+    def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module, optim_input: Any = None,
+                                    optim: torch.optim.Optimizer | None = None) -> dict:
+        _no_optim_input(optim_input, "shard_full_optim_state_dict")
+        if optim is None:
+            raise NotImplementedError("shard_full_optim_state_dict without optim= is not supported; pass optim=, "
+                                      "or use FSDP.optim_state_dict_to_load(model, optim, osd)")
+        from ._optim import optim_state_dict_to_load
+        return optim_state_dict_to_load(model, optim, full_optim_state_dict)
+
+    scatter_full_optim_state_dict = _unsupported("scatter_full_optim_state_dict")
+    flatten_sharded_optim_state_dict = _unsupported("flatten_sharded_optim_state_dict")
+    rekey_optim_state_dict = _unsupported("rekey_optim_state_dict")
+
+    @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict,
                                  is_named_optimizer: bool = False, load_directly: bool = False,
                                  group: Any = None) -> dict:
@@ -249,137 +329,6 @@ class FullyShardedDataParallel(nn.Module):
 
 
 # -- construction helpers --------------------------------------------------------------
-def _unit_kwargs(kw: dict) -> dict:
-    unknown = sorted(set(kw) - set(_KWARGS))
-    if unknown:
-        raise TypeError(f"FullyShardedDataParallel: unexpected arguments {unknown} from the auto-wrap policy")
-    return {k: kw.get(k) for k in _KWARGS}
-
-
-def _ignored(module: nn.Module, ignored_modules: Any, ignored_states: Any) -> tuple[set, set]:
-    if ignored_modules is not None and ignored_states is not None:
-        raise ValueError("FullyShardedDataParallel: pass ignored_modules or ignored_states, not both")
-    mods: set = set()
-    params: set = set()
-    for item in list(ignored_modules or ()) + list(ignored_states or ()):
-        if isinstance(item, FullyShardedDataParallel):
-            raise ValueError("FullyShardedDataParallel: ignored_modules must not contain FSDP instances")
-        if isinstance(item, nn.Module):
-            mods.update(item.modules())
-            params.update(item.parameters())
-        elif isinstance(item, nn.Parameter):
-            params.add(item)
-        else:
-            raise TypeError(f"FullyShardedDataParallel: ignored_states holds {type(item).__name__}; "
-                            f"give modules or parameters")
-    return mods, params
-
-
-def _parents(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    out: dict[int, list[tuple[nn.Module, str]]] = {}
-    for m in module.modules():
-        for name, child in m._modules.items():
-            if child is not None:
-                out.setdefault(id(child), []).append((m, name))
-    return out
-
-
-def _own_modules(module: nn.Module, ignored_params: set) -> Iterator[nn.Module]:
-    """``module`` and its submodules not inside an inner FSDP1 unit."""
-    yield module
-    for child in module.children():
-        if not isinstance(child, (FullyShardedDataParallel, FSDPModule)):
-            yield from _own_modules(child, ignored_params)
-
-
-def _device_of(device_id: Any, mesh) -> torch.device:
-    if device_id is None:
-        return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
-    return torch.device(device_id)
-
-
-def _materialize(module: nn.Module, param_init_fn: Any, device: torch.device, ignored_params: set) -> None:
-    """Meta-device modules of this unit: ``param_init_fn(m)`` on each of them (torch's
-    rule), else ``to_empty`` on ``device`` and ``reset_parameters()``."""
-    own = list(_own_modules(module, ignored_params))
-
-    def is_meta(m: nn.Module) -> bool:
-        return any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
-
-    if not any(is_meta(m) for m in own):
-        return
-    for m in own:
-        if param_init_fn is not None:
-            param_init_fn(m)
-        elif is_meta(m):
-            m.to_empty(device=device, recurse=False)
-            if hasattr(m, "reset_parameters"):
-                with torch.no_grad():
-                    m.reset_parameters()
-
-
-def _broadcast_states(module: nn.Module, mesh, ignored_params: set) -> None:
-    """``sync_module_states``: every data-parallel rank takes rank 0's parameters and
-    buffers (over the shard axis, then the replicate axis)."""
-    from .._dtensor import local_of
-
-    tensors = [local_of(p) for m in _own_modules(module, ignored_params) for p in m.parameters(recurse=False)
-               if p not in ignored_params] + \
-              [b for m in _own_modules(module, ignored_params) for b in m.buffers(recurse=False)]
-    with torch.no_grad():
-        for axis in reversed(range(mesh.ndim)):
-            group = mesh.get_group(axis)
-            if group.size() > 1:
-                for t in tensors:
-                    dist.broadcast(t, group_src=0, group=group)
-
-
-def _cast_buffers(module: nn.Module, dtype: torch.dtype | None) -> dict[tuple[int, str], torch.dtype]:
-    """MixedPrecision.buffer_dtype: this unit's floating buffers in that dtype (state
-    dicts give them back in their own dtype)."""
-    out: dict[tuple[int, str], torch.dtype] = {}
-    if dtype is None:
-        return out
-    for m in _own_modules(module, set()):
-        for name, b in m._buffers.items():
-            if b is not None and b.is_floating_point() and b.dtype != dtype:
-                out[(id(m), name)] = b.dtype
-                m._buffers[name] = b.to(dtype)
-    return out
-
-
-def _check_mp_modules(module: nn.Module, mp: MixedPrecision) -> None:
-    classes = tuple(getattr(mp, "_module_classes_to_ignore", ()) or ())
-    for name, m in module.named_modules():
-        if classes and isinstance(m, classes):
-            raise NotImplementedError(
-                f"FullyShardedDataParallel: module {name or '<root>'} ({type(m).__name__}) is in "
-                f"MixedPrecision._module_classes_to_ignore, which torch wraps separately in full precision; fsdp2d "
-                f"does not. Wrap it yourself without mixed precision, or pass MixedPrecision(..., "
-                f"_module_classes_to_ignore=()) to run it in param_dtype")
-
-
-def _flat_param(group, mesh, what: str) -> nn.Parameter:
-    """``use_orig_params=False``: the unit's flat storage as one DTensor Parameter,
-    ``Shard(0)`` over the data axis (replicated over the replicate axis of HSDP)."""
-    if any(p.tp is not None for p in group.params):
-        raise NotImplementedError(
-            f"FullyShardedDataParallel({what}): use_orig_params=False with tensor-parallel parameters is not "
-            f"supported; pass use_orig_params=True, as torch's FSDP1 + TP recipe does")
-    if len(group.flats) != 1:
-        raise ValueError(f"FullyShardedDataParallel({what}): parameters of mixed dtypes cannot share one flat "
-                         f"parameter; cast the module or pass use_orig_params=True")
-    grads = {p.requires_grad for p in group.params}
-    if len(grads) > 1:
-        frozen = [p.fqn for p in group.params if not p.requires_grad][:4]
-        raise ValueError(f"FullyShardedDataParallel({what}): some parameters require gradients and some "
-                         f"({frozen}) do not; one flat parameter cannot mix them (as with torch). Pass "
-                         f"use_orig_params=True or wrap the frozen ones in their own unit")
-    flat = next(iter(group.flats.values()))
-    tmesh = mesh.torch_mesh(mesh.mesh_dim_names)
-    placements = (TReplicate(), TShard(0)) if mesh.ndim == 2 else (TShard(0),)
-    shape = torch.Size([group.k * group.total])
-    spec = DTensorSpec(tmesh, placements, TensorMeta(shape, (1,), flat.dtype))
-    return nn.Parameter(as_dtensor(flat, spec), requires_grad=grads.pop())
+def _no_optim_input(optim_input: Any, what: str) -> None:
+    if optim_input is not None:
+        raise NotImplementedError(f"{what}: optim_input (deprecated in torch) is not supported; pass the optimizer")

@@ -139,6 +139,23 @@ def job_resume(path: str, mesh_key: str) -> dict:
     return {"extra": extra, "state": state, "continued": _steps(model, opt, mesh_key, range(3, 5))}
 
 
+def edit_manifest(file, fn, tensors=None) -> None:
+    """Rewrite the data file ``file`` with ``fn`` applied to its manifest (the JSON in
+    its header's ``__metadata__["fsdp2d"]``) and, if given, other tensors."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(file, "pt") as f:
+        meta = f.metadata()
+        tensors = tensors if tensors is not None else {k: f.get_tensor(k) for k in f.keys()}
+    doc = json.loads(meta["fsdp2d"])
+    fn(doc)
+    save_file(tensors, Path(file), metadata={**meta, "fsdp2d": json.dumps(doc)})
+
+
 # -- faults (issue 12) ----------------------------------------------------------------------
 SMALL = {"vocab": 7, "dims": [5, 9, 3], "biases": [True, False], "seed": 0}
 
@@ -171,3 +188,28 @@ def job_one_rank_bad_extra(root: str) -> dict:
     t0 = time.monotonic()
     error = capture_error(lambda: ckpt.save(f"{root}/c", build_stack(SMALL, seed=0), extra=extra))
     return {"error": error, "seconds": time.monotonic() - t0}
+
+
+def job_save_trained(spec: dict, mesh_key: str, path: str) -> dict:
+    """One AdamW step of the stack on ``mesh_key``, then a save with the optimizer;
+    returns the full model state (what a load must give back)."""
+    model = build_stack(spec, seed=spec["seed"])
+    parallelize_stack(model, mesh_key)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    model(torch.randint(0, spec["vocab"], (5,))).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    ckpt.save(path, model, opt, extra={"step": 1})
+    return ckpt.get_model_state_dict(model)
+
+
+def job_ranks_disagree(root: str) -> dict:
+    """Rank 3 alone holds a model with another width: every rank refuses the save (the
+    description each rank would write differs), nothing is left."""
+    import torch.distributed as dist
+
+    from .pool import capture_error
+
+    spec = SMALL if dist.get_rank() != 3 else {**SMALL, "dims": [5, 8, 3]}
+    return {"error": capture_error(lambda: ckpt.save(f"{root}/d", build_stack(spec, seed=0)))}

@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fsdp2d import checkpoint as ckpt
@@ -139,11 +140,8 @@ def test_files_outside_the_folder_are_never_opened(saved):
     secret_size = str(Path("/etc/hostname").stat().st_size) if Path("/etc/hostname").exists() else "@@"
     for name in ["../rank00000.safetensors", str(outside), "/etc/hostname", "evil.safetensors", "sub/x", ".."]:
         def point(index, name=name):
-            size = index["files"].pop("rank00000.safetensors")
-            index["files"][name] = size
-            for meta in index["tensors"].values():
-                for b in meta["boxes"]:
-                    b["file"] = name
+            for tname, meta in index["tensors"].items():
+                meta["file"], meta["key"] = name, tname
         raw = (saved / INDEX).read_text()
         _edit(saved, point)
         opened = []
@@ -153,38 +151,27 @@ def test_files_outside_the_folder_are_never_opened(saved):
         (saved / INDEX).write_text(raw)
 
 
+def test_a_manifest_naming_another_file_is_refused(saved):
+    """A manifest's own file name is compared, never opened: one that says
+    ../rank00000.safetensors (the tempting outside copy) is refused as renamed."""
+    K.edit_manifest(saved / "rank00000.safetensors", lambda m: m.__setitem__("file", "../rank00000.safetensors"))
+    opened = []
+    _refused(saved, "says it is '../rank00000.safetensors': a file was renamed or swapped", opened=opened)
+    assert not _inside(opened, saved), opened
+
+
 def test_the_folder_link_must_point_to_a_version_beside_it(tmp_path, saved):
     (tmp_path / "elsewhere").symlink_to(saved)
     _refused(tmp_path / "elsewhere", "not to a version folder")
 
 
 # -- 2-5. boxes, dtypes, fields, checksums -----------------------------------------------------
-def test_overlapping_boxes_are_refused(saved):
-    """The top half of emb.weight (8, 4) listed twice under two keys, the bottom half
-    missing: the element count adds up, but rows 4-7 would reach the model as
-    uninitialised memory."""
-    top = load_file(saved / "rank00000.safetensors")["model/emb.weight@0,0"][:4].contiguous()
-    save_file({"top": top, "again": top.clone()}, saved / "half.safetensors")
-
-    def overlap(index):
-        index["files"]["half.safetensors"] = {"size": (saved / "half.safetensors").stat().st_size}
-        index["tensors"]["model/emb.weight"]["boxes"] = [
-            {"offset": [0, 0], "shape": [4, 4], "file": "half.safetensors", "key": k,
-             "sha256": _files._digest(top)} for k in ("top", "again")]
-    _edit(saved, overlap)
-    assert "exactly once (32 of 32 elements, overlapping)" in _refused(saved)
-
-
 def test_a_file_whose_dtype_differs_from_the_index_is_refused(saved):
     tensors = load_file(saved / "rank00000.safetensors")
-    key = "model/emb.weight@0,0"
+    key = "model/emb.weight"
     tensors[key] = tensors[key].to(torch.int64)  # same shape, int64 where the index says float32
-    save_file(tensors, saved / "rank00000.safetensors")
-
-    def fix_size_and_sha(index):
-        index["files"]["rank00000.safetensors"]["size"] = (saved / "rank00000.safetensors").stat().st_size
-        index["tensors"]["model/emb.weight"]["boxes"][0]["sha256"] = _files._digest(tensors[key])
-    _edit(saved, fix_size_and_sha)
+    K.edit_manifest(saved / "rank00000.safetensors",
+                    lambda m: m["boxes"][key].__setitem__("sha256", _files._digest(tensors[key])), tensors)
     _refused(saved, "holds I64 data, the index says float32")
 
 
@@ -203,8 +190,8 @@ def test_malformed_optimizer_hyperparameters_are_refused(saved):
 
 
 def test_every_box_needs_a_checksum(saved):
-    _edit(saved, lambda index: index["tensors"]["model/emb.weight"]["boxes"][0].pop("sha256"))
-    _refused(saved, "sha256 is missing")
+    K.edit_manifest(saved / "rank00000.safetensors", lambda m: m["boxes"]["model/emb.weight"].pop("sha256"))
+    _refused(saved, "'model/emb.weight': its sha256 is missing")
 
 
 # -- 7. a checkpoint saved before the first optimizer step ------------------------------------
@@ -238,11 +225,7 @@ def test_cli_reports_a_malformed_index_in_one_line(saved, tmp_path, capsys):
 def test_export_checks_before_allocating_the_declared_shape(saved, tmp_path, capsys, monkeypatch):
     from fsdp2d.checkpoint.__main__ import main
 
-    def huge(index):
-        meta = index["tensors"]["model/emb.weight"]
-        meta["shape"] = [2**33, 4]  # 137 GB of float32
-        meta["boxes"][0]["shape"] = [2**33, 4]
-    _edit(saved, huge)
+    _edit(saved, lambda index: index["tensors"]["model/emb.weight"].__setitem__("shape", [2**33, 4]))  # 137 GB
     sizes = []
     real = torch.empty
     monkeypatch.setattr(torch, "empty", lambda shape, **kw: sizes.append(math.prod(shape)) or real(shape, **kw))
@@ -314,27 +297,43 @@ def _apply(index, path, op, value):
     return index
 
 
-@pytest.fixture(scope="module")
-def real_checkpoint(tmp_path_factory):
+def _documents(folder: Path) -> dict:
+    """The JSON documents of a checkpoint a hostile edit may target: the index, and the
+    manifest of each data file."""
+    docs = {INDEX: json.loads((folder / INDEX).read_text())}
+    for f in sorted(folder.glob("rank*.safetensors")):
+        with safe_open(f, "pt") as h:
+            docs[f.name] = json.loads(h.metadata()["fsdp2d"])
+    return docs
+
+
+@pytest.fixture(scope="module", params=["1 rank", "2x2"])
+def real_checkpoint(request, tmp_path_factory):
+    """A real checkpoint with AdamW state, saved by one process or on a 2x2 (dp, tp) mesh
+    (4 data files, every weight sharded over both axes, loaded here into one process)."""
     root = tmp_path_factory.mktemp("hostile")
-    model, opt = _trained(seed=0)
-    ckpt.save(root / "s", model, opt, extra={"step": 1})
-    good = json.loads((root / "s" / INDEX).read_text())
-    paths = [(p, v) for p, v in _json_paths(good) if p]
-    leaves = [v for _, v in paths if not isinstance(v, (dict, list))]
-    want = {k: v.clone() for k, v in model.state_dict().items()}
-    biggest = max(math.prod(m["shape"]) * 4 for m in good["tensors"].values())
-    return root, (paths, leaves), want, biggest
+    if request.param == "1 rank":
+        model, opt = _trained(seed=0)
+        ckpt.save(root / "s", model, opt, extra={"step": 1})
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    else:
+        want = request.getfixturevalue("pool").run(K.job_save_trained, SPEC, "2x2", str(root / "s"))[0]
+    docs = {}
+    for name, doc in _documents(root / "s").items():
+        paths = [(p, v) for p, v in _json_paths(doc) if p]
+        docs[name] = paths, [v for _, v in paths if not isinstance(v, (dict, list))]
+    biggest = max(math.prod(m["shape"]) * 4 for m in _documents(root / "s")[INDEX]["tensors"].values())
+    return root, docs, want, biggest
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_hostile_indexes(real_checkpoint, data):
-    """Random damage to a real checkpoint's index: load either succeeds with the saved
-    values, or raises CheckpointError leaving model and optimizer bit-identical; it
-    never opens a file outside the folder, and never allocates more than the model's
-    own size plus one box."""
-    root, paths, want, biggest = real_checkpoint
+    """Random damage to a real checkpoint's index or to one data file's manifest: load
+    either succeeds with the saved values, or raises CheckpointError leaving model and
+    optimizer bit-identical; it never opens a file outside the folder, and never
+    allocates more than the model's own size plus one box."""
+    root, docs, want, biggest = real_checkpoint
     work = root / "work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
@@ -342,10 +341,18 @@ def test_hostile_indexes(real_checkpoint, data):
     shutil.copytree((root / "s").resolve(), folder)
     shutil.copy(folder / "rank00000.safetensors", work / "rank00000.safetensors")
     (folder / "evil.safetensors").symlink_to(work / "rank00000.safetensors")
-    index = json.loads((folder / INDEX).read_text())
-    for path, op, value in data.draw(mutations(*paths)):
-        index = _apply(index, path, op, value)
-    (folder / INDEX).write_text(json.dumps(index))
+    target = data.draw(st.sampled_from(sorted(docs)))
+    doc = _documents(folder)[target]
+    for path, op, value in data.draw(mutations(*docs[target])):
+        doc = _apply(doc, path, op, value)
+    if target == INDEX:
+        (folder / INDEX).write_text(json.dumps(doc))
+    else:
+        K.edit_manifest(folder / target, lambda m: (m.clear(), m.update(doc)) if isinstance(doc, dict) else None)
+        if not isinstance(doc, dict):  # the whole manifest replaced by a non-object
+            with safe_open(folder / target, "pt") as h:
+                tensors = {k: h.get_tensor(k) for k in h.keys()}
+            save_file(tensors, folder / target, metadata={"fsdp2d": json.dumps(doc)})
 
     model, opt = _trained(seed=1, steps=2)
     before = _snapshot(model, opt)
@@ -392,4 +399,11 @@ def test_a_one_rank_save_error_reaches_every_rank_at_once(pool, tmp_path):
     for r in pool.run(K.job_one_rank_bad_extra, str(tmp_path), timeout=30):
         assert r["error"] is not None and r["error"][0] == "CheckpointError", r
         assert "rank 0: TypeError" in r["error"][1] and r["seconds"] < 10, r
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+def test_ranks_holding_different_tensors_all_refuse_to_save(pool, tmp_path):
+    for r in pool.run(K.job_ranks_disagree, str(tmp_path), timeout=30):
+        assert r["error"] is not None and r["error"][0] == "CheckpointError", r
+        assert "the ranks disagree on the tensors to save" in r["error"][1], r
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())

@@ -104,12 +104,10 @@ def test_tp2d_tutorial_on_torch_runs_on_cpu(tp2d_torch):
     assert tp2d_torch[2]["losses"] == tp2d_torch[3]["losses"]
 
 
-@pytest.mark.xfail(strict=True, reason="the stored upstream fsdp_tp_example.py wraps the model in FSDP1 "
-                   "(FullyShardedDataParallel); fsdp2d.fsdp1 does not exist yet (issue 14): "
-                   "ModuleNotFoundError: No module named 'fsdp2d.fsdp1'")
 def test_tp2d_tutorial_on_fsdp2d_equals_torch(pool, tmp_path, tp2d_torch):
-    """The 2D tutorial with its imports switched to fsdp2d: q/k/v at the attention call
-    equal one process's (exactly, as torch's), and the 3 losses equal torch's. The loss is
+    """The 2D tutorial as stored (FSDP1 over TP) with its imports switched to fsdp2d, its
+    ``FullyShardedDataParallel`` now fsdp2d.fsdp1's: q/k/v at the attention call equal
+    one process's (exactly, as torch's), and the 3 losses equal torch's. The loss is
     the sum of 8x256x32000 logits (|loss| up to ~6e6): summed in another order it moves by
     an ulp or two of fp32 (1.2e-7 relative), so 1e-6 relative."""
     code = C.prepare("tensor_parallelism", tmp_path / "tp2d", C.TP2D_IMPORTS, C.TP2D_CPU, C.TP2D_STEPS)

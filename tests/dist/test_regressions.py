@@ -7,7 +7,6 @@ parallel, a backward all-reduce that wrote into a gradient autograd shares.
 """
 
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ import fsdp2d
 from fsdp2d import checkpoint as ckpt
 from fsdp2d.bridge import gather_full
 
+from ._ckpt import edit_manifest
 from .pool import capture_error, get_mesh
 
 
@@ -185,14 +185,13 @@ def job_checkpoint_errors(root: str) -> dict:
         blocker.write_text("x")
     dist.barrier()
     res["save_fail"] = capture_error(lambda: ckpt.save(blocker / "c", model))
-    # 10. an index whose box shape disagrees with the file: an error everywhere, no hang
+    # 10. rank 1's file places a box elsewhere than the index's layout: rank 1 alone
+    # fails (each rank reads its own file), every rank raises, no hang
     path = Path(root) / "good"
     ckpt.save(path, model)
     if dist.get_rank() == 0:
-        index = json.loads((path / "fsdp2d.index.json").read_text())
-        box = index["tensors"]["model/a.weight"]["boxes"][1]
-        box["shape"][0] += 1
-        (path / "fsdp2d.index.json").write_text(json.dumps(index))
+        edit_manifest(path / "rank00001.safetensors",
+                      lambda m: m["boxes"]["model/a.weight"]["offset"].__setitem__(0, 0))
     dist.barrier()
     res["load_fail"] = capture_error(lambda: ckpt.load(path, model))
     return res
@@ -203,6 +202,7 @@ def test_checkpoint_error_paths_do_not_hang(pool, tmp_path):
         assert r["save_fail"] is not None and r["save_fail"][0] == "CheckpointError", r
         assert "cannot create" in r["save_fail"][1], r
         assert r["load_fail"] is not None and r["load_fail"][0] == "CheckpointError", r
+        assert "rank00001.safetensors: 'model/a.weight' is the box at offset [0, 0]" in r["load_fail"][1], r
 
 
 def job_bf16_accumulation() -> float:

@@ -208,6 +208,56 @@ def test_boxes_tile_and_replica_owners(params):
         assert len(groups[box]) == math.prod(mesh_shape[a] for a in non_shard_axes)
 
 
+@st.composite
+def target_boxes(draw, global_shape):
+    """Any box inside ``global_shape`` (empty ones included)."""
+    offset, shape = [], []
+    for size in global_shape:
+        o = draw(st.integers(0, size))
+        offset.append(o)
+        shape.append(draw(st.integers(0, size - o)))
+    return Box(tuple(offset), tuple(shape))
+
+
+@st.composite
+def layout_and_target(draw):
+    params = draw(layout_params())
+    return params, draw(target_boxes(params[0]))
+
+
+@SETTINGS
+@given(case=layout_and_target())
+def test_owners_intersecting_is_the_brute_force_filter(case):
+    """``owners_intersecting`` (what a checkpoint reader computes from a saved layout,
+    without enumerating the mesh) equals filtering every coordinate: replica owners
+    with a non-empty box that overlaps the target, boxes from ``at``."""
+    params, target = case
+    base = make_layout(*params)
+    for t in (target, Box((0,) * len(params[0]), params[0])):  # and the whole tensor
+        want = []
+        for coord in base.coordinates():
+            lay = base.at(coord)
+            inter = lay.box.intersect(t)
+            if lay.is_replica_owner() and lay.box.numel() and inter is not None and inter.numel():
+                want.append((coord, lay.box))
+        assert sorted(base.owners_intersecting(t)) == sorted(want), t
+
+
+def test_owners_intersecting_does_not_walk_the_mesh():
+    """A mesh of 2**40 x 8 ranks (never enumerable): a reader of 3 rows gets the 2
+    boxes that hold them, from the TP-major split (TP splits first, then dp)."""
+    lay = Layout((4096, 16), (2**40, 8), ("dp", "tp"), (Shard(0), Shard(0)), (0, 0), (1, 0))
+    got = list(lay.owners_intersecting(Box((511, 3), (2, 5))))
+    assert got == [((511, 0), Box((511, 0), (1, 16))), ((0, 1), Box((512, 0), (1, 16)))]
+    assert got == [(c, lay.at(c).box) for c, _ in got]
+
+
+@pytest.mark.parametrize("params", CORNERS)
+def test_owners_intersecting_corners(params):
+    test_owners_intersecting_is_the_brute_force_filter.hypothesis.inner_test(
+        case=(params, Box((0,) * len(params[0]), params[0])))
+
+
 @SETTINGS
 @given(params=layout_params())
 @with_corners
