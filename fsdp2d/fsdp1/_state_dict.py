@@ -5,12 +5,17 @@ own and put it back on load). Values by ``state_dict_type``:
 
 - ``FULL_STATE_DICT``: full tensors (gathered over the data axis and, for TP
   parameters, the tensor axis too); ``rank0_only`` leaves the other ranks' dicts empty;
-  buffers in their own dtype whatever ``MixedPrecision.buffer_dtype``.
+  buffers in their own dtype whatever ``MixedPrecision.buffer_dtype``. (torch's FSDP1 +
+  TP keeps TP parameters as DTensors on its tp mesh here; fsdp2d gives the full tensors,
+  which load without a mesh; loading takes either.)
 - ``SHARDED_STATE_DICT``: each rank's ``torch.chunk`` piece along dim 0, as torch's FSDP1
   gives it: a ``ShardedTensor`` (same metadata as torch: one shard per non-empty chunk,
   placed on the data-parallel group's global ranks), or a ``DTensor`` when the unit
   was given a ``device_mesh`` or has TP parameters (the parameter's own spec: TP-major
-  on the (tp, dp) mesh). Either writes with DCP and reads back on any mesh.
+  on the (tp, dp) mesh, no communication; torch's FSDP1 + TP redistributes to
+  ``(Shard(0), tp_placement)`` on its (dp, tp) mesh, the same boxes except where TP and
+  FSDP both split dim 0). Either writes with DCP and reads back on any mesh; loading in
+  memory also takes another model's DTensors (e.g. torch's), gathered whole per tensor.
 - ``LOCAL_STATE_DICT``: ``<unit>._flat_param``, this rank's flat storage as a
   ``ShardedTensor``; loads only into the same wrapping on the same number of ranks.
   fsdp2d's flat storage is each parameter's own dim-0 chunk, back to back; torch's is a

@@ -239,6 +239,12 @@ def job_sharded_meta(use_orig_params: bool) -> dict:
         out[form] = {"keys": list(a) == list(b), "meta_equal": ma == mb,
                      "mismatch": {k: (ma[k], mb.get(k)) for k in ma if ma[k] != mb.get(k)},
                      "types": sorted({m[0] for m in mb.values()}), "diff": max_diff(a, b)}
+        # In memory (no DCP) into a fresh model of the other implementation, same ranks.
+        ref2, ours2 = wrapped("torch", "net", use_orig_params, **ref_kw), wrapped("fsdp2d", "net", use_orig_params,
+                                                                                  **our_kw)
+        load(ref2, SD.SHARDED_STATE_DICT, b)
+        load(ours2, SD.SHARDED_STATE_DICT, a)
+        out[form]["in_memory"] = equal(full(ref2), full(ours)) and equal(full(ours2), full(ref))
     return out
 
 
@@ -320,11 +326,12 @@ def _full_vs_sharded(full_osd: dict, sharded_osd: dict) -> float:
     return worst
 
 
-def _load_optim(impl: str, kind: str, use_orig_params: bool, model_sd: dict, osd: dict, sd_kind: SD):
-    """A fresh ``impl`` model holding ``model_sd`` (FULL) and an AdamW holding ``osd``
-    (through FSDP.optim_state_dict_to_load under ``sd_kind``)."""
-    model = wrapped(impl, kind, use_orig_params)
+def _load_optim(model: nn.Module, model_sd: dict, osd: dict | None, sd_kind: SD):
+    """``model`` (fresh) holding ``model_sd`` (FULL) and an AdamW holding ``osd``
+    (through FSDP.optim_state_dict_to_load under ``sd_kind``; None: a fresh AdamW)."""
     load(model, SD.FULL_STATE_DICT, model_sd)
+    if osd is None:
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)  # lr 1e-2 comes from the saved groups
     cls = type(model)
     with cls.state_dict_type(model, sd_kind):
@@ -363,10 +370,10 @@ def job_optim(kind: str, use_orig_params: bool, sd_kind: str) -> dict:
         same = [_osd_compare(F1.FSDP.sharded_optim_state_dict(ours, our_opt), b) == {"mismatch": [], "diff": 0.0}]
     out["rank0_only_and_older_api"] = all(same)
     a_model, b_model = full(ref), full(ours)
-    models = {"torch<-fsdp2d": _load_optim("torch", kind, use_orig_params, b_model, b, sd_kind),
-              "fsdp2d<-fsdp2d": _load_optim("fsdp2d", kind, use_orig_params, b_model, b, sd_kind)}
+    models = {"torch<-fsdp2d": _load_optim(wrapped("torch", kind, use_orig_params), b_model, b, sd_kind),
+              "fsdp2d<-fsdp2d": _load_optim(wrapped("fsdp2d", kind, use_orig_params), b_model, b, sd_kind)}
     if out["torch_full_ok"]:
-        models["fsdp2d<-torch"] = _load_optim("fsdp2d", kind, use_orig_params, a_model, a, sd_kind)
+        models["fsdp2d<-torch"] = _load_optim(wrapped("fsdp2d", kind, use_orig_params), a_model, a, sd_kind)
     out["lr_loaded"] = all(o.param_groups[0]["lr"] == 1e-2 for _, o in models.values())
     for m, o in [(ref, ref_opt), (ours, our_opt), *models.values()]:
         train(m, kind, steps=1, opt=o, start=2)
@@ -375,9 +382,8 @@ def job_optim(kind: str, use_orig_params: bool, sd_kind: str) -> dict:
     out["steps"].update({name: max_diff(want, full(m)) for name, (m, _) in models.items()})
     # The control: the same step from the same weights with a fresh optimizer (what a
     # load that kept nothing would give) lands this far away.
-    control = wrapped("torch", kind, use_orig_params)
-    load(control, SD.FULL_STATE_DICT, a_model)
-    train(control, kind, steps=1, start=2)
+    control, control_opt = _load_optim(wrapped("torch", kind, use_orig_params), a_model, None, sd_kind)
+    train(control, kind, steps=1, opt=control_opt, start=2)
     out["no_state"] = max_diff(want, full(control))
     return out
 
@@ -530,6 +536,20 @@ def _whole(sd: dict) -> dict:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
 
 
+def _tp_optim(mesh, ours: nn.Module, ours_opt, ref: nn.Module, ref_opt, mine: dict, theirs: dict) -> dict:
+    """SHARDED optim_state_dicts of the trained 2-D models (torch's: DTensors on its own
+    mesh) into fresh fsdp2d 2-D models, in memory; then one more step on each: the worst
+    difference from the model it came from (``no_state``: a fresh AdamW, the control)."""
+    a, b = _optim_sd(ref, ref_opt, SD.SHARDED_STATE_DICT), _optim_sd(ours, ours_opt, SD.SHARDED_STATE_DICT)
+    runs = {"torch->fsdp2d": (ref, _load_optim(_llama_2d(mesh), theirs, a, SD.SHARDED_STATE_DICT)),
+            "fsdp2d->fsdp2d": (ours, _load_optim(_llama_2d(mesh), mine, b, SD.SHARDED_STATE_DICT)),
+            "no_state": (ref, _load_optim(_llama_2d(mesh), theirs, None, SD.SHARDED_STATE_DICT))}
+    data_rank = mesh.get_local_rank("dp")
+    for m, o in ((ours, ours_opt), (ref, ref_opt), *(loaded for _, loaded in runs.values())):
+        train(m, "llama", steps=1, opt=o, start=2, data_rank=data_rank)
+    return {name: max_diff(_whole(full(src)), full(m)) for name, (src, (m, _)) in runs.items()}
+
+
 def _dcp_into(model: nn.Module, path: str) -> dict:
     sd = state_dict(model, SD.SHARDED_STATE_DICT)
     dcp.load(sd, storage_reader=dcp.FileSystemReader(path))
@@ -542,11 +562,12 @@ def job_tp(path: str) -> dict:
     """FSDP1 + TP on 2 (dp) x 2 (tp), fsdp2d's and torch's, trained alike: FULL state dicts
     agree; SHARDED values are DTensors; DCP checkpoints of either load into a fresh 2-D
     model of the other, and fsdp2d's into a 1-D (dp=4) FSDP1 model; torch's state dicts
-    also load in memory (no DCP) into fsdp2d's 2-D and 1-D models."""
+    also load in memory (no DCP) into fsdp2d's 2-D and 1-D models; SHARDED optimizer
+    state (torch's and fsdp2d's) loads into fsdp2d's 2-D model."""
     mesh = get_mesh((2, 2), ("dp", "tp"))
     ours, ref = _llama_2d(mesh), _torch_llama_2d()
     data_rank = mesh.get_local_rank("dp")
-    train(ours, "llama", data_rank=data_rank), train(ref, "llama", data_rank=data_rank)
+    ours_opt, ref_opt = train(ours, "llama", data_rank=data_rank), train(ref, "llama", data_rank=data_rank)
     mine, theirs = full(ours), full(ref)
     out = {"full_keys": list(mine) == list(theirs), "full_plain": all(type(v) is torch.Tensor for v in mine.values()),
            "torch_full_types": sorted({type(v).__name__ for v in theirs.values()}),
@@ -570,4 +591,5 @@ def job_tp(path: str) -> dict:
                                      ("1d_sharded", wrapped("fsdp2d", "llama", True), SD.SHARDED_STATE_DICT, tsd)):
         out[f"torch->fsdp2d_{name}_in_memory"] = capture_error(lambda: load(fresh, kind, value)) \
             or equal(full(fresh), theirs)
+    out["optim"] = _tp_optim(mesh, ours, ours_opt, ref, ref_opt, mine, theirs)
     return out

@@ -38,13 +38,15 @@ def test_sharded_state_dict_metadata_matches_torch(pool, use_orig_params):
     """ShardedTensor metadata (size, dtype, every shard's offsets, sizes and placement,
     the local shards) equal to torch's, with uneven dim 0 (11 rows, 5 rows, 3 rows over 4
     ranks); with device_mesh, DTensors with torch's placements, shape and local shapes
-    (torch's mesh, or fsdp2d's own init_device_mesh); local values equal."""
+    (torch's mesh, or fsdp2d's own init_device_mesh); local values equal; each side's
+    state dict loads into the other in memory."""
     for rank, r in enumerate(pool.run(J.job_sharded_meta, use_orig_params)):
         for form, want in (("process_group", "ShardedTensor"), ("torch_mesh", "DTensor"), ("fsdp2d_mesh", "DTensor")):
             f = r[form]
             assert f["keys"] and f["meta_equal"], (rank, form, f["mismatch"])
             assert f["types"] == sorted([want, "Tensor"]), (rank, form, f["types"])  # Tensor: the buffers
             assert f["diff"] <= TRAINED, (rank, form, f)
+            assert f["in_memory"], (rank, form, f)  # each side's dict loads into the other, bit for bit
 
 
 # (use_orig_params, saver, loaders as (impl, ranks), saver given device_mesh)
@@ -140,9 +142,13 @@ def test_fsdp1_tp_state_dicts(pool, tmp_path):
     SHARDED values are DTensors (fsdp2d's own spec on its (tp, dp) mesh, TP-major; torch's
     on (dp, tp): same boxes where TP and FSDP split different dims); DCP checkpoints load
     across implementations and into a 1-D model; torch's state dicts also load into
-    fsdp2d in memory."""
+    fsdp2d in memory; SHARDED optimizer state (torch's DTensors on its own mesh, and
+    fsdp2d's) loads into a fresh fsdp2d 2-D model and the next step matches."""
     for rank, r in enumerate(pool.run(J.job_tp, str(tmp_path))):
         assert r["full_keys"] and r["full_plain"] and r["full_diff"] <= TRAINED, (rank, r)
         assert r["sharded_keys"] and r["dtensor"], (rank, r)
         moved = {k: v for k, v in r.items() if "->" in k}
         assert moved and all(v is True for v in moved.values()), (rank, moved)
+        optim = r["optim"]
+        assert optim["torch->fsdp2d"] <= TRAINED and optim["fsdp2d->fsdp2d"] <= TRAINED, (rank, optim)
+        assert optim["no_state"] > 1e-3, (rank, optim)
