@@ -3,11 +3,11 @@
 Keys never show the ``_fsdp_wrapped_module.`` segments (each unit's hooks strip its
 own and put it back on load). Values by ``state_dict_type``:
 
-- ``FULL_STATE_DICT``: full tensors (gathered over the data axis and, for TP
-  parameters, the tensor axis too); ``rank0_only`` leaves the other ranks' dicts empty;
-  buffers in their own dtype whatever ``MixedPrecision.buffer_dtype``. (torch's FSDP1 +
-  TP keeps TP parameters as DTensors on its tp mesh here; fsdp2d gives the full tensors,
-  which load without a mesh; loading takes either.)
+- ``FULL_STATE_DICT``: full tensors (gathered over the data axis); a TP parameter, as
+  with torch's FSDP1 + TP, stays a DTensor on the tp mesh (gathered over the data axis
+  only: ``full_tensor()`` gives the whole); ``rank0_only`` leaves the other ranks' dicts
+  empty; buffers in their own dtype whatever ``MixedPrecision.buffer_dtype``. Loading
+  takes full tensors or DTensors on any mesh.
 - ``SHARDED_STATE_DICT``: each rank's ``torch.chunk`` piece along dim 0, as torch's FSDP1
   gives it: a ``ShardedTensor`` (same metadata as torch: one shard per non-empty chunk,
   placed on the data-parallel group's global ranks), or a ``DTensor`` when the unit
@@ -44,10 +44,11 @@ from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfi
                                     StateDictConfig, StateDictSettings, StateDictType)
 from torch.distributed.tensor import DTensor
 
-from .. import _collectives as C
 from .._dtensor import as_dtensor, layout_of, local_of
+from .._dtensor import spec_of
 from ..bridge import gather_full
-from ..placement import chunk_range
+from ..bridge.extensions import gather_axes
+from ..placement import Shard, chunk_range
 
 PREFIX = "_fsdp_wrapped_module."
 _LOCAL = threading.local()
@@ -193,6 +194,20 @@ def _local_of_sharded(unit: nn.Module, p, key: str, value: Any) -> torch.Tensor:
                      f"takes ShardedTensors, DTensors or the full {tuple(p.sharded.shape)} tensor")
 
 
+def gather_data_axes(p, local: torch.Tensor) -> torch.Tensor:
+    """Parameter ``p``'s shard gathered over the data axes: its TP-local piece (the
+    bridge's ``gather_axes``, which ``DTensorExtensions.all_gather_dtensor`` uses too)."""
+    layout = p.layout
+    axes = [n for n in p.mesh.mesh_dim_names if isinstance(layout.placements[layout.axis(n)], Shard)]
+    return gather_axes(local, layout, p.mesh.root, axes)[0] if axes else local
+
+
+def _tp_local(p, local: torch.Tensor) -> DTensor:
+    """A TP-local piece of ``p`` as the DTensor torch's FSDP1 + TP shows: on the tp mesh,
+    with the TP placement (global shape)."""
+    return as_dtensor(local, spec_of(p.tp.layout, p.tp.mesh, local.dtype))
+
+
 def _own_params(unit: nn.Module) -> list[tuple[str, Any]]:
     """(key under the unit's prefix, FSDPParam) for the unit's parameters and ties."""
     group = unit._fsdp1_group
@@ -256,7 +271,8 @@ def _post_state_dict(unit: nn.Module, state_dict: dict, prefix: str, local_metad
         if not isinstance(value, DTensor):
             continue
         if kind == StateDictType.FULL_STATE_DICT:
-            full = gather_full(value.detach())
+            full = _tp_local(p, gather_data_axes(p, local_of(value).detach())) if p.tp is not None \
+                else gather_full(value.detach())
             state_dict[key] = full.cpu() if cfg.offload_to_cpu else full
         elif kind == StateDictType.SHARDED_STATE_DICT:
             v = _sharded_value(unit, p, value)
@@ -334,9 +350,10 @@ def summon_depth() -> int:
 @contextlib.contextmanager
 def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
                        offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
-    """The full (data-axis-unsharded; TP stays TP-local, as torch) parameters of every
-    FSDP1 unit under ``module`` (``recurse=False``: of ``module`` alone) registered for
-    reading or editing; on exit edits are written back to the shards (``writeback``).
+    """The full (data-axis-unsharded) parameters of every FSDP1 unit under ``module``
+    (``recurse=False``: of ``module`` alone) registered for reading or editing; a TP
+    parameter is, as with torch, a DTensor on the tp mesh whose local tensor is its
+    TP-local piece. On exit edits are written back to the shards (``writeback``).
     ``rank0_only``: only rank 0 gets them (no writeback). ``offload_to_cpu``: the full
     copies live on the CPU. ``with_grads``: their ``.grad`` is the full gradient too."""
     if rank0_only and writeback:
@@ -355,9 +372,12 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         for p, full, grad in zip(g.params, g.gather_exact(), grads):
             if not keep:
                 continue
-            full = nn.Parameter(full.cpu() if offload_to_cpu else full, requires_grad=p.requires_grad)
+            full, grad = [None if t is None else (t.cpu() if offload_to_cpu else t) for t in (full, grad)]
+            if p.tp is not None:
+                full, grad = [None if t is None else _tp_local(p, t) for t in (full, grad)]
+            full = nn.Parameter(full, requires_grad=p.requires_grad)
             if grad is not None:
-                full.grad = grad.cpu() if offload_to_cpu else grad
+                full.grad = grad
             for owner, name in [(p.module, p.name), *p.aliases]:
                 owner._parameters[name] = full
     _LOCAL.summon = summon_depth() + 1
@@ -369,7 +389,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             for g in groups:
                 for p in g.params:
                     if writeback and keep:
-                        current = p.module._parameters[p.name]
+                        current = local_of(p.module._parameters[p.name])
                         local_of(p.sharded).copy_(p.shard_of(current.to(p.sharded.device)))
                     p.register("sharded")
 
@@ -387,7 +407,7 @@ def _full_grads(g) -> list[torch.Tensor | None]:
         else:
             out.append(None)
             continue
-        out.append(C.all_gather(local.contiguous(), 0, g.shard_group, global_size=p.unsharded_shape[0]))
+        out.append(gather_data_axes(p, local.contiguous()))
     return out
 
 

@@ -531,8 +531,8 @@ def _torch_llama_2d() -> nn.Module:
 
 
 def _whole(sd: dict) -> dict:
-    """torch's FSDP1 + TP FULL_STATE_DICT keeps TP parameters as DTensors on the tp mesh;
-    fsdp2d's gives full tensors (see the test): compare whole tensors."""
+    """FSDP1 + TP FULL_STATE_DICT keeps TP parameters as DTensors on the tp mesh (torch's
+    and fsdp2d's alike): compare whole tensors."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
 
 
@@ -547,7 +547,7 @@ def _tp_optim(mesh, ours: nn.Module, ours_opt, ref: nn.Module, ref_opt, mine: di
     data_rank = mesh.get_local_rank("dp")
     for m, o in ((ours, ours_opt), (ref, ref_opt), *(loaded for _, loaded in runs.values())):
         train(m, "llama", steps=1, opt=o, start=2, data_rank=data_rank)
-    return {name: max_diff(_whole(full(src)), full(m)) for name, (src, (m, _)) in runs.items()}
+    return {name: max_diff(_whole(full(src)), _whole(full(m))) for name, (src, (m, _)) in runs.items()}
 
 
 def _dcp_into(model: nn.Module, path: str) -> dict:
@@ -569,10 +569,13 @@ def job_tp(path: str) -> dict:
     data_rank = mesh.get_local_rank("dp")
     ours_opt, ref_opt = train(ours, "llama", data_rank=data_rank), train(ref, "llama", data_rank=data_rank)
     mine, theirs = full(ours), full(ref)
-    out = {"full_keys": list(mine) == list(theirs), "full_plain": all(type(v) is torch.Tensor for v in mine.values()),
-           "torch_full_types": sorted({type(v).__name__ for v in theirs.values()}),
-           "full_diff": max_diff(_whole(theirs), mine)}
-    theirs = _whole(theirs)
+    out = {"full_keys": list(mine) == list(theirs),
+           "full_types": {k: (type(v).__name__, str(getattr(v, "placements", "")), tuple(v.shape))
+                          for k, v in mine.items()},
+           "torch_full_types": {k: (type(v).__name__, str(getattr(v, "placements", "")), tuple(v.shape))
+                                for k, v in theirs.items()},
+           "full_diff": max_diff(_whole(theirs), _whole(mine))}
+    mine, theirs = _whole(mine), _whole(theirs)
     sd, tsd = state_dict(ours, SD.SHARDED_STATE_DICT), state_dict(ref, SD.SHARDED_STATE_DICT)
     out["sharded_keys"] = list(sd) == list(tsd)
     out["dtensor"] = all(isinstance(v, DTensor) for v in sd.values())
@@ -590,6 +593,6 @@ def job_tp(path: str) -> dict:
                                      ("2d_full", _llama_2d(mesh), SD.FULL_STATE_DICT, full(ref)),
                                      ("1d_sharded", wrapped("fsdp2d", "llama", True), SD.SHARDED_STATE_DICT, tsd)):
         out[f"torch->fsdp2d_{name}_in_memory"] = capture_error(lambda: load(fresh, kind, value)) \
-            or equal(full(fresh), theirs)
+            or equal(_whole(full(fresh)), theirs)
     out["optim"] = _tp_optim(mesh, ours, ours_opt, ref, ref_opt, mine, theirs)
     return out

@@ -159,12 +159,7 @@ def test_fsdp1_matches_single_process(pool, results):
             assert loss < 1e-6 and param < 1e-5, f"rank {rank} {impl}: loss {loss:.2e} param {param:.2e}"
 
 
-_TP_SUMMON = pytest.mark.xfail(strict=True, reason=(
-    "fsdp2d's summon_full_params shows TP-sharded parameters as TP-local plain tensors; torch's "
-    "shows DTensors over the TP mesh (global shape), so p.full_tensor() inside it fails on fsdp2d"))
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_TP_SUMMON) if CASES[n].tp else n for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_summon_full_params_shows_what_torch_shows(results, name):
     """Inside ``summon_full_params`` a script sees the same parameters as under torch:
     same names, each a DTensor or not as torch's, with the same shape."""
