@@ -24,6 +24,7 @@ each way, the same ops for even and uneven shapes at any number of ranks.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -67,7 +68,10 @@ class FSDPParam:
         self.module, self.name, self.fqn, self.tp = module, name, fqn, tp
         self.aliases: list[tuple[nn.Module, str]] = []  # other (module, name) holding it (tied)
         self.sharded: nn.Parameter = param
-        self.original_id = id(param)  # the tensor fully_shard found (to spot ties across groups)
+        # The tensor fully_shard found, to spot ties across groups. Weakly: a strong reference
+        # would keep the unsharded original alive, and its bare id() can be reused by a new
+        # tensor once the original is freed (a false tie).
+        self.original = weakref.ref(param)
         self.requires_grad = param.requires_grad
         self.unsharded_shape = tuple(tp.layout.local_shape) if tp is not None else tuple(param.shape)
         self.mesh = mesh

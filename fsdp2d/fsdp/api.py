@@ -235,7 +235,8 @@ def _check_ties_outside(module: nn.Module, by_id: dict[int, FSDPParam]) -> None:
         if child is module or state is None or state.group is None:
             continue
         for p in state.group.params:
-            mine = by_id.get(p.original_id)
+            original = p.original()
+            mine = by_id.get(id(original)) if original is not None else None
             if mine is not None:
                 raise ValueError(
                     f"fully_shard: parameter {mine.fqn!r} is the same tensor as {name}.{p.fqn} (tied weights), "

@@ -4,6 +4,7 @@ modules are ignored, meta-device materialisation, ``sync_module_states``,
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Iterator
 
 import torch
@@ -76,24 +77,34 @@ def device_of(device_id: Any, mesh) -> torch.device:
     return torch.device(device_id)
 
 
-def materialize(module: nn.Module, param_init_fn: Any, device: torch.device, ignored_params: set) -> None:
-    """Meta-device modules of this unit: ``param_init_fn(m)`` on each of them (torch's
-    rule), else ``to_empty`` on ``device`` and ``reset_parameters()``."""
-    own = list(own_modules(module, ignored_params))
+def materialize(module: nn.Module, param_init_fn: Any, device: torch.device, ignored_modules: set) -> None:
+    """A unit with meta-device states is materialised as torch's FSDP1 does: its modules
+    (breadth first, not inside inner units or ignored) each get ``param_init_fn(m)``, or
+    without one, those holding parameters or buffers get ``to_empty(device)`` and
+    ``reset_parameters()``, which must exist."""
+    own, queue = [], collections.deque([module])
+    while queue:
+        m = queue.popleft()
+        own.append(m)
+        queue.extend(c for c in m.children() if not _is_unit(c) and c not in ignored_modules and c not in own)
 
-    def is_meta(m: nn.Module) -> bool:
-        return any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+    def states(m: nn.Module) -> list[torch.Tensor]:
+        return [*m.parameters(recurse=False), *m.buffers(recurse=False)]
 
-    if not any(is_meta(m) for m in own):
+    if not any(t.is_meta for m in own for t in states(m)):
         return
     for m in own:
         if param_init_fn is not None:
             param_init_fn(m)
-        elif is_meta(m):
+        elif states(m):
+            reset = getattr(m, "reset_parameters", None)
+            if reset is None:
+                raise ValueError(f"FullyShardedDataParallel: a {type(m).__name__} of this meta-device module has no "
+                                 f"reset_parameters() to initialise it after to_empty(); pass param_init_fn= (as "
+                                 f"torch requires) or build the model on a real device")
             m.to_empty(device=device, recurse=False)
-            if hasattr(m, "reset_parameters"):
-                with torch.no_grad():
-                    m.reset_parameters()
+            with torch.no_grad():
+                reset()
 
 
 def broadcast_states(module: nn.Module, mesh, ignored_params: set) -> None:

@@ -84,16 +84,16 @@ class FullyShardedDataParallel(nn.Module):
                                                  {**kwargs, "auto_wrap_policy": auto_wrap_policy}):
             unit = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
             nn.Module.__init__(unit)
-            unit._setup(child, _init.unit_kwargs(child_kwargs), ignored_params)
+            unit._setup(child, _init.unit_kwargs(child_kwargs), ignored_params, ignored_mods)
             for parent, name in parents.get(id(child), []):
                 parent._modules[name] = unit
-        self._setup(module, kwargs, ignored_params)
+        self._setup(module, kwargs, ignored_params, ignored_mods)
         for m in self.modules():
             if isinstance(m, FullyShardedDataParallel) and m is not self:
                 m.__dict__["_fsdp1_nested"] = True
 
     # -- construction ------------------------------------------------------------------
-    def _setup(self, module: nn.Module, kw: dict, ignored_params: set) -> None:
+    def _setup(self, module: nn.Module, kw: dict, ignored_params: set, ignored_mods: set) -> None:
         strategy = kw["sharding_strategy"] or ShardingStrategy.FULL_SHARD
         if not isinstance(strategy, ShardingStrategy):
             raise TypeError(f"FullyShardedDataParallel: sharding_strategy must be a ShardingStrategy, got {strategy!r}")
@@ -102,7 +102,7 @@ class FullyShardedDataParallel(nn.Module):
         has_tp = any(True for _ in tp_params(module))
         mesh = _mesh.mesh_for(strategy, kw["process_group"], kw["device_mesh"], has_tp)
         device = _init.device_of(kw["device_id"], mesh)
-        _init.materialize(module, kw["param_init_fn"], device, ignored_params)
+        _init.materialize(module, kw["param_init_fn"], device, ignored_mods)
         if device.type != "cpu" and any(p.device.type == "cpu" for p in module.parameters()):
             module.to(device)  # torch moves a CPU module to device_id
         if kw["sync_module_states"]:
@@ -235,6 +235,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def apply(self, fn: Any) -> "FullyShardedDataParallel":
         """``fn`` on every submodule with the full parameters in place (edits are kept)."""
+        if _state_dict.summon_depth():  # an outer unit's apply has summoned us already
+            return super().apply(fn)
         with _state_dict.summon_full_params(self, recurse=True, writeback=True):
             super().apply(fn)
         return self
