@@ -19,7 +19,7 @@ times. The memory peak is exact either way.
 AdamW steps the parameters' local shards (:class:`ShardOptimizer`). DTensor runs an
 optimizer op as the same op on its operands' local tensors when, index by index, the
 parameter, its gradient and its state share one spec, as they do here: the probe sees
-those local ops either way (``tests/unit/test_plan_dryrun.py`` checks every figure equal).
+those local ops either way (``tests/dist/test_plan.py`` checks every figure equal).
 Through DTensor, each foreach op's sharding is propagated once per process for every
 parameter (7 ops x 723 parameters for 70B: 12 s of CPU, 28 s for 405B), for no op.
 
