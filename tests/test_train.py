@@ -239,3 +239,93 @@ def test_startup_checks_and_resume_fallback(tmp_path, world1, capsys):
     assert trainer.ckpts.steps() == [] and not (tmp_path / "run" / "metrics.jsonl").exists()
     trainer.run()
     assert trainer.ckpts.steps() == [2]
+
+
+# -- issue 13: no host syncs in a training step ---------------------------------------------------
+class _HostReads:
+    """Counts what makes the CPU wait for the device: data-dependent ops (``.item()``,
+    ``float(t)``, ``nonzero``...: torch tags them) and ``Tensor.tolist``/``numpy``
+    (which dispatch nothing on the CPU). The optimizer's step counters are not counted:
+    torch keeps them on the host (``capturable=False``) so that reading them waits for
+    nothing."""
+
+    def __init__(self, trainer, monkeypatch) -> None:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.count = 0
+        host = lambda t: any(t is s.get("step") for s in trainer.opt.state.values())  # noqa: E731
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                tags = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+                if any(tag in func.tags for tag in tags) and not host(args[0]):
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        for name in ("tolist", "numpy"):
+            method = getattr(torch.Tensor, name)
+
+            def read(t, *args, _method=method, **kwargs):
+                counter.count += 1
+                return _method(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, read)
+        self.mode = Mode
+
+
+def test_training_steps_read_the_device_only_to_log_or_save(tmp_path, world1, monkeypatch):
+    """DESIGN item 9: a step between two logged (or checkpointed) steps makes no host
+    sync; a logged step reads every step's loss and gradient norm since the last read
+    in one, and logs what a run reading every step logs (loss, gradient norm, lr)."""
+    from fsdp2d.train.plot import read_metrics
+    from fsdp2d.train.trainer import Trainer
+
+    every = Trainer(_local(tmp_path, "every", "--training.steps=6", "--checkpoint.every=3", "--training.log_every=1"))
+    every.run()
+    _fresh_group()
+    trainer = Trainer(_local(tmp_path, "lazy", "--training.steps=6", "--checkpoint.every=3",
+                             "--training.log_every=4"))
+    reads, step = _HostReads(trainer, monkeypatch), trainer.train_step
+    per_step = {}
+
+    def counted(batches, read=True):
+        before = reads.count
+        with reads.mode():
+            out = step(batches, read)
+        per_step[trainer.step + 1] = (read, reads.count - before)
+        return out
+
+    trainer.train_step = counted
+    trainer.run()
+    # steps 3 and 6 checkpoint, 4 and 6 log: one read each, before the optimizer step
+    assert per_step == {1: (False, 0), 2: (False, 0), 3: (True, 1), 4: (True, 1), 5: (False, 0), 6: (True, 1)}
+    want = {r["step"]: r for r in read_metrics(tmp_path / "every")}
+    got = read_metrics(tmp_path / "lazy")
+    assert [r["step"] for r in got] == [4, 6]
+    for r in got:
+        keys = ("loss", "grad_norm", "lr")
+        assert {k: r[k] for k in keys} == {k: want[r["step"]][k] for k in keys}
+
+
+def test_nan_loss_between_reads_is_reported_with_its_step(tmp_path, world1):
+    """A non-finite loss at a step that does not log is found at the next read (here step
+    8), named with its own step; the run stops before step 8's optimizer step, and no
+    checkpoint was written after it (step 4's, if the loss went bad later, or none)."""
+    import re
+
+    from fsdp2d.train.trainer import Trainer, TrainingError
+
+    trainer = Trainer(_local(tmp_path, "nan_lazy", "--optim.lr=1e20", "--optim.warmup_steps=0", "--optim.max_norm=0",
+                             "--training.steps=8", "--checkpoint.every=4", "--training.log_every=8"))
+    with pytest.raises(TrainingError) as err:
+        trainer.run()
+    found = re.search(r"loss is (nan|inf) at step (\d+)(.*); stopped before step (\d+)'s optimizer step\. "
+                      r"Last good checkpoint: (\S+)\.", str(err.value))
+    assert found, err.value
+    bad, read = int(found.group(2)), int(found.group(4))
+    assert read == (4 if bad <= 4 else 8) and trainer.step == read - 1, err.value
+    assert trainer.ckpts.steps() == ([] if bad <= 4 else [4])
+    if bad != read:
+        assert f", read at step {read}" in found.group(3), err.value

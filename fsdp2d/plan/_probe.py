@@ -45,6 +45,9 @@ _aten = torch.ops.aten
 _NO_TRAFFIC = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.new_empty.default,
                _aten.new_empty_strided.default, _aten.set_.source_Storage_storage_offset,
                _aten.resize_.default, _aten.detach.default, _aten.lift_fresh.default}
+# ``tensor.device`` of a fake tensor: dispatched, and over half of a dry run's ops (C++
+# and autograd ask every operand's device); it reads and writes no data
+_DEVICE = torch.ops.prim.device.default
 
 
 def _cpu_flash_flops(func, *args, out_val: Any = None, **kwargs) -> int:
@@ -198,8 +201,11 @@ class StepProbe(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor desugars into local ops, which come back here
-        kwargs = kwargs or {}
         self.t += 1
+        if func is _DEVICE:  # what the general path below does for it, without flattening
+            self._see(args[0])
+            return func(*args)
+        kwargs = kwargs or {}
         if func.namespace != "aten":  # c10d collectives, whose arguments nest deeper
             described = describe_c10d_op(func, args) if func.namespace == "c10d" else None
             if described is not None:

@@ -4,11 +4,13 @@
     fsdp2d plan --config CONFIG [--world-size W | --nodes N --gpus-per-node G] [--gpu h100|h200|a100]
                 [--rank R] [--json] [--section.key=value ...]
 
-Runs rank 0 and the last rank (or ``--rank R``) of the job, one after the other in this
-process, with :func:`fsdp2d.plan.dry_run` (fake process group + ``FakeTensorMode``: the
-real mesh, TP plan, ``fully_shard``, activation checkpointing and training step, no
-weights allocated), then prints per rank the measured memory, padding and collectives
-per mesh axis, and the roofline estimate of :mod:`fsdp2d.plan.estimate` for the GPU.
+Runs rank 0 and the last rank (or ``--rank R``) of the job with
+:func:`fsdp2d.plan.dry_run` (fake process group + ``FakeTensorMode``: the real mesh, TP
+plan, ``fully_shard``, activation checkpointing and training step, no weights
+allocated), side by side in forked processes, one per CPU (a single rank, or a single
+CPU: in this process), then prints per rank the measured memory, padding and
+collectives per mesh axis, and the roofline estimate of :mod:`fsdp2d.plan.estimate` for
+the GPU.
 
 A world size other than the config's changes the FSDP degree (``parallel.dp``) and keeps
 the per-rank batch (``training.global_batch`` scales with the data-parallel ranks)
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import sys
 import time
 
@@ -68,10 +72,28 @@ def _world(args: argparse.Namespace) -> int | None:
     return args.world_size
 
 
+def _timed_dry_run(cfg: JobConfig, world: int, rank: int) -> tuple[dict, float]:
+    from fsdp2d.plan._dryrun import dry_run
+
+    t0 = time.perf_counter()
+    measured = dry_run(cfg, world, rank)
+    return measured, time.perf_counter() - t0
+
+
+def _dry_runs(cfg: JobConfig, world: int, ranks: list[int]) -> list[tuple[dict, float]]:
+    """``dry_run`` of each rank and its seconds, in forked processes one per CPU (a dry
+    run is single-threaded Python: two ranks on two CPUs take the time of one)."""
+    workers = min(len(ranks), len(os.sched_getaffinity(0)))
+    if workers <= 1:
+        return [_timed_dry_run(cfg, world, rank) for rank in ranks]
+    # fork: nothing to import again, and this process has no process group or threads yet
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        return pool.starmap(_timed_dry_run, [(cfg, world, rank) for rank in ranks])
+
+
 def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_node: int) -> dict:
     """Dry-run ``ranks`` and estimate them on ``gpu_name``; the JSON report."""
     from fsdp2d.models import GPT2, Llama
-    from fsdp2d.plan._dryrun import dry_run
 
     import torch
 
@@ -85,15 +107,13 @@ def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_n
               "model_params": model.num_params(), "flops_per_token": flops_per_token,
               "tokens_per_gpu_per_step": tokens_per_gpu,
               "micro_batch": cfg.micro_batch, "accum_steps": cfg.accum_steps, "ranks": []}
-    for rank in ranks:
-        t0 = time.perf_counter()
-        measured = dry_run(cfg, world, rank)
+    for rank, (measured, seconds) in zip(ranks, _dry_runs(cfg, world, ranks)):
         ops = measured.pop("ops")
         compute = roofline_seconds(ops, gpu)
         comm = comm_table(measured, measured.pop("axis_ranks"), gpus_per_node, gpu)
         est = estimate(measured, comm, gpu, tokens_per_gpu, flops_per_token, compute)
         report["ranks"].append({"rank": rank, **measured, "collectives": comm, "estimate": est,
-                                "roofline_ops": len(ops), "dry_run_s": time.perf_counter() - t0})
+                                "roofline_ops": len(ops), "dry_run_s": seconds})
     return report
 
 

@@ -2,10 +2,13 @@
 
 Only rank 0 writes. Each logged step is one JSON object with at least ``step``, ``loss``,
 ``lr``, ``grad_norm``, ``tokens_per_s``, ``mfu`` and ``peak_mem_mib``; evaluation adds
-``eval_loss``. MFU = achieved model FLOP/s (6 N + 12 L H d_head T per token, the
-model's ``flops_per_token``) over the peak of all ranks: ``metrics.peak_flops`` per
-device when set, H100/A100 bf16 defaults on CUDA, and on CPU a matmul peak measured at
-start-up on one thread (what each rank gets here).
+``eval_loss``. Loss and gradient norm are the logged step's; ``tokens_per_s``,
+``step_time_s`` and MFU are the mean over the steps since the previous logged (or
+checkpointed) step, the only steps at which the trainer reads device values (see
+:mod:`fsdp2d.train.trainer`). MFU = achieved model FLOP/s (6 N + 12 L H d_head T per
+token, the model's ``flops_per_token``) over the peak of all ranks:
+``metrics.peak_flops`` per device when set, H100/A100 bf16 defaults on CUDA, and on CPU
+a matmul peak measured at start-up on one thread (what each rank gets here).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def peak_memory_mib(device: str) -> float:
 
 
 class Metrics:
-    """Appends one JSON line per logged step; draws a progress line on a terminal."""
+    """Appends one JSON line per logged step; draws a progress line on a terminal (at
+    logged and checkpointed steps: the others' losses are not read yet)."""
 
     def __init__(self, run_dir: Path, total_steps: int, enabled: bool, writers: Sequence[Any] = ()) -> None:
         self.enabled, self.total = enabled, total_steps

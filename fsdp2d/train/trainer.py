@@ -5,6 +5,17 @@ config -> mesh -> model on the meta device -> TP plan -> activation checkpointin
 warmup and decay -> microbatches without gradient sync until the last -> global-norm
 clipping -> metrics, evaluation and checkpoints. A resumed run loads model, optimizer,
 data position and RNG state from the latest checkpoint and continues bit for bit.
+
+**No host syncs in a step** (DESIGN item 9). Reading a device value (``.item()``) makes
+the CPU wait for the GPU to finish everything queued, so the next step's kernels are not
+queued while this one runs. A step keeps its loss (summed over the world by an all-reduce,
+which does not wait) and its gradient norm on the device; the trainer reads them, all
+steps since the last read at once, only at steps that log (``training.log_every``, the
+last step, evaluations) or save a checkpoint, as torchtitan does. At those steps the read
+comes before the optimizer step, so a non-finite loss there stops the run before the
+update (and no checkpoint is ever saved after one); a non-finite loss at a step between
+two reads is reported at the next read, naming its step, with the updates since taken.
+Throughput and step time are the mean over the steps since the last read.
 """
 
 from __future__ import annotations
@@ -94,11 +105,16 @@ def _set_rng_state(state: str) -> None:
     torch.set_rng_state(raw)
 
 
-def _mean_over_world(value: torch.Tensor) -> float:
-    """Mean of a per-rank scalar; TP ranks of one data slice hold equal values."""
+def _sum_over_world(value: torch.Tensor) -> torch.Tensor:
+    """Sum of a per-rank scalar as a (1,) float32 device tensor, unread (no host sync)."""
     t = value.detach().float().reshape(1).clone()
     dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    return t
+
+
+def _mean_over_world(value: torch.Tensor) -> float:
+    """Mean of a per-rank scalar; TP ranks of one data slice hold equal values."""
+    return _sum_over_world(value).item() / dist.get_world_size()
 
 
 class Trainer:
@@ -115,6 +131,7 @@ class Trainer:
                                      weight_decay=o.weight_decay)
         self.ckpts = ckpt.CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.checkpoint.keep_last)
         self.step = 0
+        self.unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss summed over the world, grad norm)
         writers = build_writers(cfg.metrics, cfg.run_dir, dataclasses.asdict(cfg)) if self.rank == 0 else []
         self.metrics = Metrics(cfg.run_dir, cfg.training.steps, enabled=self.rank == 0, writers=writers)
         with torch.device("meta"):
@@ -196,7 +213,11 @@ class Trainer:
                 logits = logits.float()
             return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
-    def train_step(self, batches: Iterator) -> tuple[float, float]:
+    def train_step(self, batches: Iterator, read: bool = True) -> tuple[float, float] | None:
+        """One optimizer step. With ``read``: the step's loss (mean over the world) and
+        gradient norm, read from the device before the optimizer step together with
+        those of the unread steps before it (:class:`TrainingError` if any loss is not
+        finite); without: None, and nothing waits for the device (see the module doc)."""
         accum = self.cfg.accum_steps
         total = torch.zeros((), device=self.cfg.parallel.device)
         for micro in range(accum):
@@ -206,16 +227,33 @@ class Trainer:
             with self._loss_context():
                 loss.backward()
             total += loss.detach()
-        loss_value = _mean_over_world(total)
-        if not math.isfinite(loss_value):
-            latest = self.ckpts.latest()
-            raise TrainingError(f"loss is {loss_value} at step {self.step + 1}; stopped before the optimizer "
-                                f"step. Last good checkpoint: {latest or 'none'}. Lower optim.lr or check the data")
+        loss_sum = _sum_over_world(total)
         max_norm = self.cfg.optim.max_norm if self.cfg.optim.max_norm > 0 else float("inf")
-        grad_norm = fsdp2d.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        grad_norm = fsdp2d.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.unread.append((self.step + 1, loss_sum, grad_norm))
+        values = self._read() if read else None
         self.opt.step()
         self.opt.zero_grad()
-        return loss_value, grad_norm
+        return values
+
+    def _read(self) -> tuple[float, float]:
+        """Loss and gradient norm of the newest unread step, all unread steps read in one
+        host sync; TrainingError at the first non-finite loss among them."""
+        steps = [step for step, _, _ in self.unread]
+        rows = torch.stack([torch.cat((loss, norm.float().reshape(1))) for _, loss, norm in self.unread]).tolist()
+        self.unread = []
+        world = dist.get_world_size()
+        for step, (loss_sum, grad_norm) in zip(steps, rows):
+            loss = loss_sum / world
+            if not math.isfinite(loss):
+                now = steps[-1]
+                ran = f"step {step}" if now - step == 1 else f"steps {step} to {now - 1}"
+                late = "" if step == now else (f", read at step {now} (losses are read only to log or save: "
+                                               f"training.log_every); {ran} updated the weights with it")
+                raise TrainingError(f"loss is {loss} at step {step}{late}; stopped before step {now}'s optimizer "
+                                    f"step. Last good checkpoint: {self.ckpts.latest() or 'none'}. Lower optim.lr "
+                                    f"or check the data")
+        return loss, grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -233,28 +271,35 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         stop = min(t.steps, t.stop_at) if t.stop_at else t.steps
         tokens_per_step = t.global_batch * cfg.data.seq_len
+        every = cfg.checkpoint.every
         record: dict = {}
+        t0, step0 = time.perf_counter(), self.step  # since the last read
         while self.step < stop:
+            step = self.step + 1
             lr = cfg.optim.lr_at(self.step, t.steps)
             for group in self.opt.param_groups:
                 group["lr"] = lr
-            t0 = time.perf_counter()
-            loss, grad_norm = self.train_step(self.data.train)
-            self.step += 1
-            dt = time.perf_counter() - t0
+            evaluate = bool(t.eval_every) and step % t.eval_every == 0
+            log = step % t.log_every == 0 or step == stop or evaluate
+            save = (bool(every) and step % every == 0) or step == stop
+            values = self.train_step(self.data.train, read=log or save)
+            self.step = step
+            if values is None:
+                continue
+            dt = (time.perf_counter() - t0) / (step - step0)
             tps = tokens_per_step / dt
-            record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+            record = {"step": step, "loss": values[0], "lr": lr, "grad_norm": values[1], "tokens_per_s": tps,
                       "mfu": self.flops_per_token * tps / (self.peak * dist.get_world_size()),
                       "peak_mem_mib": peak_memory_mib(cfg.parallel.device), "step_time_s": dt}
-            if t.eval_every and self.step % t.eval_every == 0:
+            if evaluate:
                 record["eval_loss"] = self.evaluate()
-            if self.step % t.log_every == 0 or self.step == stop or "eval_loss" in record:
+            if log:
                 self.metrics.log(record)
             else:
                 self.metrics.progress(record)
-            every = cfg.checkpoint.every
-            if (every and self.step % every == 0) or self.step == stop:
+            if save:
                 self.save()
+            t0, step0 = time.perf_counter(), step
         self.metrics.close()
         if cfg.checkpoint.export_hf and self.rank == 0 and (last := self.ckpts.latest()) is not None:
             export_hf(last, cfg.run_dir / "hf")  # what transformers (and vLLM) load
