@@ -74,6 +74,11 @@ class FSDPParamGroup:
         self._reduce: tuple[Any, torch.Tensor] | None = None
         self.grads_ready = 0
         self.num_trainable = 0  # set by _sync_requires_grad
+        # With frozen parameters: the module's forward inputs still awaiting their
+        # gradient (weak tokens: a graph never backpropagated drops its own), and how many
+        # arrived in this backward (see backward_done and _state.InputsDone).
+        self.input_waits: weakref.WeakSet = weakref.WeakSet()
+        self.inputs_done = 0
         self._gathered_versions: tuple = ()  # _shard_versions() at the last gather
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
@@ -247,8 +252,19 @@ class FSDPParamGroup:
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
         self.grads_ready += 1
         self.needs_reduce = True
-        if self.grads_ready == self.num_trainable:
+        if self.backward_done():
             self.ctx.post_backward(self)
+
+    def backward_done(self) -> bool:
+        """Whether this backward is done with the unsharded parameters. A trainable
+        parameter's gradient arrives after every op that used it, so the last one ends
+        the group's backward, unless some parameters are frozen: autograd may still need
+        their weights after that (the input gradient through a frozen weight), so then
+        the gradients of the module's inputs must have arrived too (without any, e.g.
+        token ids, the end-of-backward callback reshards)."""
+        if self.grads_ready < self.num_trainable:
+            return False
+        return self.num_trainable == len(self.params) or (self.inputs_done > 0 and not self.input_waits)
 
     def accumulate_unsynced(self) -> None:
         """Without gradient sync, move this backward's unsharded gradients into
