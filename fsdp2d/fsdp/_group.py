@@ -17,6 +17,7 @@ the end of backward, before the optimizer can run).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -349,7 +350,8 @@ class FSDPParamGroup:
             flat = self.flat_param
             g = out[:self.total].to(flat.device, self.grad_dtype or flat.dtype, non_blocking=True)
             if flat.grad is None:
-                flat.grad = as_dtensor(g, flat._spec)
+                meta = flat._spec.tensor_meta._replace(dtype=g.dtype)
+                _set_grad(flat, as_dtensor(g, dataclasses.replace(flat._spec, tensor_meta=meta)))
             else:
                 local_of(flat.grad).add_(g)
             return
@@ -361,7 +363,7 @@ class FSDPParamGroup:
             g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=True)
             current = p.sharded.grad
             if current is None:
-                p.sharded.grad = as_dtensor(g, p.spec(g.dtype))
+                _set_grad(p.sharded, as_dtensor(g, p.spec(g.dtype)))
             else:
                 local_of(current).add_(g)
 
@@ -398,6 +400,12 @@ def _shard_source(p: FSDPParam, current: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"fully_shard: parameter {p.fqn!r} was replaced by a tensor of local shape "
                      f"{tuple(local.shape)}; expected this rank's shard {p.shard_shape} or the whole "
                      f"{p.unsharded_shape} (load full tensors with load_state_dict, not by assigning)")
+
+
+def _set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if grad.dtype != param.dtype:  # keep_low_precision_grads (FSDP1): torch checks .grad_dtype
+        param.grad_dtype = None
+    param.grad = grad
 
 
 def _weak_hook(group: FSDPParamGroup):
