@@ -17,6 +17,7 @@ the end of backward, before the optimizer can run).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -74,6 +75,11 @@ class FSDPParamGroup:
         self._reduce: tuple[Any, torch.Tensor] | None = None
         self.grads_ready = 0
         self.num_trainable = 0  # set by _sync_requires_grad
+        # With frozen parameters: the module's forward inputs still awaiting their
+        # gradient (weak tokens: a graph never backpropagated drops its own), and how many
+        # arrived in this backward (see backward_done and _state.InputsDone).
+        self.input_waits: weakref.WeakSet = weakref.WeakSet()
+        self.inputs_done = 0
         self._gathered_versions: tuple = ()  # _shard_versions() at the last gather
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
@@ -247,8 +253,19 @@ class FSDPParamGroup:
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
         self.grads_ready += 1
         self.needs_reduce = True
-        if self.grads_ready == self.num_trainable:
+        if self.backward_done():
             self.ctx.post_backward(self)
+
+    def backward_done(self) -> bool:
+        """Whether this backward is done with the unsharded parameters. A trainable
+        parameter's gradient arrives after every op that used it, so the last one ends
+        the group's backward, unless some parameters are frozen: autograd may still need
+        their weights after that (the input gradient through a frozen weight), so then
+        the gradients of the module's inputs must have arrived too (without any, e.g.
+        token ids, the end-of-backward callback reshards)."""
+        if self.grads_ready < self.num_trainable:
+            return False
+        return self.num_trainable == len(self.params) or (self.inputs_done > 0 and not self.input_waits)
 
     def accumulate_unsynced(self) -> None:
         """Without gradient sync, move this backward's unsharded gradients into
@@ -333,7 +350,8 @@ class FSDPParamGroup:
             flat = self.flat_param
             g = out[:self.total].to(flat.device, self.grad_dtype or flat.dtype, non_blocking=True)
             if flat.grad is None:
-                flat.grad = as_dtensor(g, flat._spec)
+                meta = flat._spec.tensor_meta._replace(dtype=g.dtype)
+                _set_grad(flat, as_dtensor(g, dataclasses.replace(flat._spec, tensor_meta=meta)))
             else:
                 local_of(flat.grad).add_(g)
             return
@@ -345,7 +363,7 @@ class FSDPParamGroup:
             g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=True)
             current = p.sharded.grad
             if current is None:
-                p.sharded.grad = as_dtensor(g, p.spec(g.dtype))
+                _set_grad(p.sharded, as_dtensor(g, p.spec(g.dtype)))
             else:
                 local_of(current).add_(g)
 
@@ -382,6 +400,12 @@ def _shard_source(p: FSDPParam, current: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"fully_shard: parameter {p.fqn!r} was replaced by a tensor of local shape "
                      f"{tuple(local.shape)}; expected this rank's shard {p.shard_shape} or the whole "
                      f"{p.unsharded_shape} (load full tensors with load_state_dict, not by assigning)")
+
+
+def _set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if grad.dtype != param.dtype:  # keep_low_precision_grads (FSDP1): torch checks .grad_dtype
+        param.grad_dtype = None
+    param.grad = grad
 
 
 def _weak_hook(group: FSDPParamGroup):

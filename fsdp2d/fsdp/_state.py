@@ -11,15 +11,18 @@ that flushes the remaining reduce-scatters and waits for them, so the sharded
 
 Backward per group: a hook on the module's forward outputs fires when their gradient is
 ready (pre-backward: all-gather again if resharded); post-accumulate-grad hooks on the
-unsharded parameters count gradients, and the last one starts the reduce-scatter.
+unsharded parameters count gradients, and the last one starts the reduce-scatter and
+reshards. A group with frozen parameters also waits for the gradients of its module's
+inputs (``InputsDone``): backward may still read a frozen weight after the last gradient.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._group import FSDPParamGroup
 from ._policy import MixedPrecisionPolicy
@@ -62,7 +65,7 @@ class _Context:
                 for p in g.params:
                     if p.unsharded is not None:
                         p.unsharded.grad = None
-                g.needs_reduce, g.grads_ready = False, 0
+                g.needs_reduce, g.grads_ready, g.inputs_done = False, 0, 0
                 g.reshard()
             s.in_backward = False
         self.in_flight = None
@@ -82,7 +85,7 @@ class _Context:
             g.finish_reduce()
             if g.reshard_after_backward and g.unsharded:
                 g.reshard()
-            g.grads_ready = 0
+            g.grads_ready = g.inputs_done = 0
         for s in self.states:
             s.in_backward = False
         self.in_flight = None
@@ -127,6 +130,9 @@ class FSDPState:
                 s.group.unshard(async_op=True)
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
+        group = self.group
+        if group is not None and group.num_trainable < len(group.params) and torch.is_grad_enabled():
+            args, kwargs = _inputs_done_hook(group, (args, kwargs))  # see FSDPParamGroup.backward_done
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
@@ -160,6 +166,45 @@ class FSDPState:
         for s in prefetch:
             if s.group is not None and not s.in_backward:
                 s.group.unshard(async_op=True)
+
+
+class _Token:
+    __slots__ = ("__weakref__",)
+
+
+class InputsDone(torch.autograd.Function):
+    """Identity on the forward inputs of a module with frozen parameters; its backward
+    runs once their gradients are complete, i.e. after every op of the module between
+    them and its outputs (as torch FSDP2's ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx, group_ref: Any, token: _Token, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group_ref, ctx.token = group_ref, token
+        ctx.set_materialize_grads(False)
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple:
+        group = ctx.group_ref()
+        if group is not None and ctx.token in group.input_waits:
+            group.input_waits.discard(ctx.token)
+            group.inputs_done += 1
+            if group.ctx is not None and group.backward_done():
+                group.ctx.post_backward(group)
+        return (None, None, *grads)
+
+
+def _inputs_done_hook(group: FSDPParamGroup, tree: Any) -> Any:
+    leaves, spec = tree_flatten(tree)
+    where = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not where:
+        return tree
+    token = _Token()
+    group.input_waits.add(token)
+    outs = InputsDone.apply(weakref.ref(group), token, *(leaves[i] for i in where))
+    for i, t in zip(where, outs):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
 
 
 def _cast(tree: Any, dtype: torch.dtype) -> Any:
