@@ -40,7 +40,7 @@ from ..clip import clip_grad_norm_ as _clip
 from ..fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..fsdp.api import fully_shard
 from ..tensor_parallel._params import tp_params
-from . import _init, _mesh, _state_dict
+from . import _init, _mesh, _state_dict, _summon
 
 _RESHARD_AFTER_FORWARD = {
     ShardingStrategy.FULL_SHARD: True, ShardingStrategy.HYBRID_SHARD: True,
@@ -177,7 +177,7 @@ class FullyShardedDataParallel(nn.Module):
                         for t in (p.sharded, p.unsharded):
                             flat_of[id(t)] = (name, group.flat_param)
         seen: set[int] = set()
-        summoned = _state_dict.summon_depth() > 0
+        summoned = _summon.summon_depth() > 0
         for name, p in super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
             if id(p) in flat_of:
                 name, p = flat_of[id(p)]
@@ -235,9 +235,9 @@ class FullyShardedDataParallel(nn.Module):
 
     def apply(self, fn: Any) -> "FullyShardedDataParallel":
         """``fn`` on every submodule with the full parameters in place (edits are kept)."""
-        if _state_dict.summon_depth():  # an outer unit's apply has summoned us already
+        if _summon.summon_depth():  # an outer unit's apply has summoned us already
             return super().apply(fn)
-        with _state_dict.summon_full_params(self, recurse=True, writeback=True):
+        with _summon.summon_full_params(self, recurse=True, writeback=True):
             super().apply(fn)
         return self
 
@@ -272,9 +272,9 @@ class FullyShardedDataParallel(nn.Module):
         return _clip(self.parameters(), max_norm, norm_type)
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        _state_dict.register_comm_hook(self, state, hook)
+        _summon.register_comm_hook(self, state, hook)
 
-    summon_full_params = staticmethod(_state_dict.summon_full_params)
+    summon_full_params = staticmethod(_summon.summon_full_params)
     state_dict_type = staticmethod(_state_dict.state_dict_type)
     set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
     get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
