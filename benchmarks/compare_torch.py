@@ -215,9 +215,8 @@ def build_fsdp2d_fsdp1(cfg: Config, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
                                     device_id=torch.device("cpu"))
 
 
-BUILDERS = {"torch": lambda cfg, mesh: build_torch(cfg, mesh), "fsdp2d": lambda cfg, mesh: build_fsdp2d(cfg, mesh),
-            "torch-fsdp1": lambda cfg, mesh: build_torch_fsdp1(cfg, mesh),
-            "fsdp2d-fsdp1": lambda cfg, mesh: build_fsdp2d_fsdp1(cfg, mesh)}
+BUILDERS = {"torch": build_torch, "fsdp2d": build_fsdp2d, "torch-fsdp1": build_torch_fsdp1,
+            "fsdp2d-fsdp1": build_fsdp2d_fsdp1}
 # mode -> implementations, the first the baseline the others are compared with
 MODES = {"2d": ("torch", "fsdp2d"), "fsdp1": ("torch-fsdp1", "fsdp2d-fsdp1", "fsdp2d")}
 

@@ -359,7 +359,7 @@ class FSDPParamGroup:
         for p, flag in zip(self.params, had_grad):
             if flag <= 0:
                 continue
-            g = out[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
+            g = p.shard_in(out)
             g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=True)
             current = p.sharded.grad
             if current is None:

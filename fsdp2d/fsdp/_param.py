@@ -102,6 +102,11 @@ class FSDPParam:
         return self._specs[dtype]
 
 
+    def shard_in(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard (``shard_shape``) as a view of a flat tensor laid out like the
+        all-gather buffer: a reduce-scattered gradient, a flat parameter or its state."""
+        return flat[self.offset:self.offset + self.shard_rows[1] * self.row_numel].view(self.shard_shape)
+
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a tensor of the unsharded shape."""
         start, n = self.shard_rows

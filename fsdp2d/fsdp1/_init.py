@@ -61,12 +61,12 @@ def parents(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return out
 
 
-def own_modules(module: nn.Module, ignored_params: set) -> Iterator[nn.Module]:
+def own_modules(module: nn.Module) -> Iterator[nn.Module]:
     """``module`` and its submodules not inside an inner FSDP1 unit."""
     yield module
     for child in module.children():
         if not _is_unit(child):
-            yield from own_modules(child, ignored_params)
+            yield from own_modules(child)
 
 
 def device_of(device_id: Any, mesh) -> torch.device:
@@ -110,9 +110,9 @@ def materialize(module: nn.Module, param_init_fn: Any, device: torch.device, ign
 def broadcast_states(module: nn.Module, mesh, ignored_params: set) -> None:
     """``sync_module_states``: every data-parallel rank takes rank 0's parameters and
     buffers (over the shard axis, then the replicate axis)."""
-    tensors = [local_of(p) for m in own_modules(module, ignored_params) for p in m.parameters(recurse=False)
+    tensors = [local_of(p) for m in own_modules(module) for p in m.parameters(recurse=False)
                if p not in ignored_params] + \
-              [b for m in own_modules(module, ignored_params) for b in m.buffers(recurse=False)]
+              [b for m in own_modules(module) for b in m.buffers(recurse=False)]
     with torch.no_grad():
         for axis in reversed(range(mesh.ndim)):
             group = mesh.get_group(axis)
@@ -127,7 +127,7 @@ def cast_buffers(module: nn.Module, dtype: torch.dtype | None) -> dict[tuple[int
     out: dict[tuple[int, str], torch.dtype] = {}
     if dtype is None:
         return out
-    for m in own_modules(module, set()):
+    for m in own_modules(module):
         for name, b in m._buffers.items():
             if b is not None and b.is_floating_point() and b.dtype != dtype:
                 out[(id(m), name)] = b.dtype

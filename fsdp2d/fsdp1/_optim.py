@@ -54,7 +54,7 @@ def _piece(p, unit, value: torch.Tensor) -> torch.Tensor:
     local = local_of(value)
     g = unit._fsdp1_group
     if g.flat_param is not None:
-        return local[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
+        return p.shard_in(local)
     return local
 
 
@@ -146,6 +146,6 @@ def _load_param(param: torch.Tensor, mine: list, saved_state: dict) -> dict:
         for fqn, p, unit in mine:
             v = saved_state[fqn][name]
             piece = _local_value(p, f"{fqn}.{name}", v, unit)
-            flat[p.offset:p.offset + piece.numel()].copy_(piece.reshape(-1))
+            p.shard_in(flat).copy_(piece.reshape(p.shard_shape))
         out[name] = as_dtensor(flat, param._spec)
     return out

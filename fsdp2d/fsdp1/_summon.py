@@ -73,7 +73,7 @@ def _full_grads(g) -> list[torch.Tensor | None]:
     flat_grad = g.flat_param.grad if g.flat_param is not None else None
     for p in g.params:
         if flat_grad is not None:
-            local = local_of(flat_grad)[p.offset:p.offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
+            local = p.shard_in(local_of(flat_grad))
         elif p.sharded.grad is not None:
             local = local_of(p.sharded.grad)
         else:
