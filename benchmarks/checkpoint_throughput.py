@@ -48,7 +48,7 @@ def build(kind, args, mesh):
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import parallelize_module
 
-        tmesh = mesh.to_torch()
+        tmesh = mesh
         parallelize_module(model, tmesh["tp"], _torch_plan())
         for b in model.layers:
             fully_shard(b, mesh=tmesh["dp"])

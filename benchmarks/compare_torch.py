@@ -8,7 +8,7 @@ Every rank builds the same model twice from the same seed (full weights on the C
 then sharded, so both start from identical values):
 
 * torch:  ``torch.distributed.tensor.parallel.parallelize_module`` with torch's
-  ``ColwiseParallel``/``RowwiseParallel`` on ``mesh.to_torch()["tp"]``, then
+  ``ColwiseParallel``/``RowwiseParallel`` on ``mesh["tp"]``, then
   ``torch.distributed.fsdp.fully_shard`` per block and on the root over ``["dp"]``;
 * fsdp2d: ``fsdp2d.parallelize_module`` with ``fsdp2d.models.*_tp_plan()``, then
   ``fsdp2d.fully_shard`` per block and root over ``mesh["dp"]``;
@@ -164,9 +164,9 @@ def build_torch(cfg: Config, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    tmesh = mesh.to_torch()  # torch DeviceMesh over fsdp2d's process groups
+    tmesh = mesh  # fsdp2d.init_device_mesh returns a torch DeviceMesh
     model = build_model(cfg)
-    if mesh.size("tp") > 1:
+    if mesh["tp"].size() > 1:
         parallelize_module(model, tmesh["tp"], torch_plan(cfg.model))
     for block in blocks_of(model):
         fully_shard(block, mesh=tmesh["dp"])
@@ -176,7 +176,7 @@ def build_torch(cfg: Config, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
 
 def build_fsdp2d(cfg: Config, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
     model = build_model(cfg)
-    if mesh.size("tp") > 1:
+    if mesh["tp"].size() > 1:
         fsdp2d.parallelize_module(model, mesh["tp"], gpt2_tp_plan() if cfg.model == "gpt2" else llama_tp_plan())
     for block in blocks_of(model):
         fsdp2d.fully_shard(block, mesh=mesh["dp"])
@@ -192,9 +192,9 @@ def build_torch_fsdp1(cfg: Config, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from torch.distributed.tensor.parallel import parallelize_module
 
-    tmesh = mesh.to_torch()
+    tmesh = mesh
     model = build_model(cfg)
-    if mesh.size("tp") > 1:
+    if mesh["tp"].size() > 1:
         parallelize_module(model, tmesh["tp"], torch_plan(cfg.model))
     policy = ModuleWrapPolicy({type(blocks_of(model)[0])})
     return FullyShardedDataParallel(model, device_mesh=tmesh["dp"], auto_wrap_policy=policy, use_orig_params=True,
@@ -208,7 +208,7 @@ def build_fsdp2d_fsdp1(cfg: Config, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
     from fsdp2d.wrap import ModuleWrapPolicy
 
     model = build_model(cfg)
-    if mesh.size("tp") > 1:
+    if mesh["tp"].size() > 1:
         fsdp2d.parallelize_module(model, mesh["tp"], gpt2_tp_plan() if cfg.model == "gpt2" else llama_tp_plan())
     policy = ModuleWrapPolicy({type(blocks_of(model)[0])})
     return FullyShardedDataParallel(model, device_mesh=mesh["dp"], auto_wrap_policy=policy, use_orig_params=True,
@@ -483,7 +483,7 @@ def run(cfg: Config, steps: int, warmup: int, profile: str | None, optim: str = 
     # here modifies it in place, so the warning does not apply
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = fsdp2d.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
-    rank, dp, tp = dist.get_rank(), mesh.size("dp"), mesh.size("tp")
+    rank, dp, tp = dist.get_rank(), mesh["dp"].size(), mesh["tp"].size()
     dp_rank = mesh.get_local_rank("dp")
     # (the world first: on a dp x 1 mesh the dp group is the world group, and is named dp)
     axis_of_group = {dist.group.WORLD.group_name: "world", mesh.get_group("dp").group_name: "dp",

@@ -25,7 +25,7 @@ def build(mesh):
     torch.manual_seed(0)
     model = Llama(ARGS)
     parallelize_module(model, mesh["tp"], llama_tp_plan())
-    if mesh.size("dp") > 1:
+    if mesh["dp"].size() > 1:
         for block in model.layers:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])

@@ -11,8 +11,8 @@ local tensor for TP-only ones) and the hot path has no DTensor dispatch.
 **Mesh order.** torch applies ``Shard`` placements left to right: the first mesh axis
 splits the global tensor (``torch.chunk``), the next splits that piece, and so on.
 fsdp2d's 2D layouts are TP-major (TP splits the global tensor, FSDP the TP shard), so a
-parameter lives on the torch mesh over ``(tp, [replicate,] shard)`` of the fsdp2d root
-mesh, TP first. Every layout, even or uneven, is then one plain torch placement per
+parameter lives on the torch mesh ``joined([tp_mesh, dp_mesh])``: the user's own TP and
+FSDP slices concatenated TP first (``fsdp2d.mesh.joined``, the same process groups). Every layout, even or uneven, is then one plain torch placement per
 axis: no ``_StridedShard`` (whose uneven boxes differ from ``torch.chunk``'s TP-major
 ones), nothing a torch tool could misread. All parameters of one model share that one
 mesh (a parameter TP does not shard is ``Replicate()`` on the tp axis).
@@ -22,19 +22,12 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Partial as TPartial, Replicate as TReplicate, Shard as TShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .mesh import DeviceMesh
-from .placement import Layout, Partial, Placement, Shard
+from .mesh import DeviceMesh, axis_names, coordinate
+from .placement import Layout, Shard
 
 __all__ = ["spec_of", "as_dtensor", "local_of", "layout_of", "install_load_hook", "install_rest_hooks"]
-
-
-def _torch_placement(p: Placement):
-    if isinstance(p, Shard):
-        return TShard(p.dim)
-    return TPartial() if isinstance(p, Partial) else TReplicate()
 
 
 def _check_left_to_right(layout: Layout) -> None:
@@ -50,17 +43,17 @@ def _check_left_to_right(layout: Layout) -> None:
 
 
 def spec_of(layout: Layout, mesh: DeviceMesh, dtype: torch.dtype) -> DTensorSpec:
-    """The DTensor spec of a tensor of ``dtype`` laid out as ``layout``, whose axes must be
-    axes of ``mesh``'s root (the torch mesh is over exactly ``layout.axis_names``)."""
+    """The DTensor spec of a tensor of ``dtype`` laid out as ``layout`` on the torch
+    ``mesh``, whose axes are the layout's, in its order."""
     _check_left_to_right(layout)
-    tmesh = mesh.torch_mesh(layout.axis_names)
-    if tuple(tmesh.get_coordinate() or ()) != layout.coordinate:
-        raise ValueError(f"layout coordinate {layout.coordinate} is not this rank's coordinate "
-                         f"{tmesh.get_coordinate()} on axes {layout.axis_names}")
+    if axis_names(mesh) != layout.axis_names or coordinate(mesh) != layout.coordinate:
+        raise ValueError(f"layout over axes {layout.axis_names} at {layout.coordinate} does not sit on {mesh} "
+                         f"(this rank at {coordinate(mesh)})")
     shape = torch.Size(layout.global_shape)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensorSpec(tmesh, tuple(_torch_placement(p) for p in layout.placements),
-                       TensorMeta(shape, stride, dtype))
+    spec = DTensorSpec(mesh, layout.placements, TensorMeta(shape, stride, dtype))
+    spec._fsdp2d_layout = layout  # layout_of() gives this one back (with its split order)
+    return spec
 
 
 def as_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> DTensor:
@@ -68,7 +61,10 @@ def as_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = Fal
     dispatch or communication (``DTensor.from_local`` checks and may copy)."""
     if spec.tensor_meta is not None and spec.tensor_meta.dtype != local.dtype:
         meta = spec.tensor_meta
+        layout = getattr(spec, "_fsdp2d_layout", None)
         spec = DTensorSpec(spec.mesh, spec.placements, TensorMeta(meta.shape, meta.stride, local.dtype))
+        if layout is not None:
+            spec._fsdp2d_layout = layout
     return DTensor(local, spec, requires_grad=requires_grad)
 
 

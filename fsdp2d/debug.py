@@ -39,7 +39,7 @@ from . import _collectives, _shm
 from ._collectives import EXCHANGE_KINDS
 
 __all__ = ["CollectiveCounter", "OpCounter", "C10D_KINDS", "describe_c10d_op", "watch_exchanges",
-           "watch_storage_resizes"]
+           "watch_storage_resizes", "init_fake_world"]
 
 # c10d op name -> (kind, index of the argument holding the logical buffer or None)
 C10D_KINDS: dict[str, tuple[str, int | None]] = {
@@ -167,3 +167,17 @@ class watch_storage_resizes:
 
     def __exit__(self, *exc) -> None:
         torch.UntypedStorage.resize_ = self._orig
+
+
+def init_fake_world(rank: int, world_size: int) -> None:
+    """Initialise torch's fake process group as ``rank`` of ``world_size`` (one simulated
+    rank of a big job: ``fsdp2d plan``, the scale probes). Several ranks simulated one
+    after another in one process must not share torch's DTensor sharding-propagation
+    cache: torch's meshes compare equal by value (every tp line of a mesh slices the
+    same rank map), so a cached output spec from an earlier rank would carry that rank's
+    mesh and process groups into this one. Destroy with ``dist.destroy_process_group()``."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    _clear_sharding_prop_cache()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -1,13 +1,20 @@
-"""Device mesh: named axes over c10d process groups.
+"""Device meshes are torch's (DESIGN item 2): ``torch.distributed.device_mesh.DeviceMesh``.
 
-``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))`` lays the world's ranks
-out row-major in an n-dimensional grid and creates one process group per line of every
-axis (the ranks that differ only in that axis). ``mesh["tp"]`` is the 1-D sub-mesh
-through this rank; ``mesh["dp", "tp"]`` keeps several axes. An axis of size 1 is legal
-everywhere: collectives over it are no-ops, so one script serves every mesh shape.
+``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))`` returns a torch mesh,
+so torch's DTensor APIs, torchtitan, Lightning and PyTorch's own tests take it as it is,
+and every fsdp2d API takes the meshes they build. It differs from torch's function only
+in how it makes the process groups: the default group is initialised from the torchrun
+environment (with a per-attempt store prefix after an elastic restart, and a one-rank
+group without any launcher), and every axis group inherits the default group's timeout
+(torch's would use its own 30-minute default, so a dead peer would hang a sub-group
+collective that long). ``mesh["tp"]`` is the 1-D sub-mesh through this rank. An axis of
+size 1 is legal everywhere: collectives over it are no-ops, so one script serves every
+mesh shape.
 
-There is no global state besides torch's default process group: a mesh is passed
-explicitly to everything that communicates.
+The few helpers fsdp2d needs on top of torch's mesh are here: :func:`joined` builds the
+TP-first mesh of 2D parameters from the user's slices (over the same groups, none new),
+:func:`axis_names` and :func:`coordinate`. There is no global state besides torch's
+default process group: a mesh is passed explicitly to everything that communicates.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DeviceMesh", "init_device_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "joined", "axis_names", "axis_size", "coordinate", "root_of"]
 
 
 def _ensure_process_group(device_type: str, world_size: int) -> None:
@@ -53,122 +61,74 @@ def _ensure_process_group(device_type: str, world_size: int) -> None:
         )
 
 
-class DeviceMesh:
-    """An n-dimensional grid of ranks with a name and a process group per axis.
+def axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The names of ``mesh``'s axes; ``("dim0", "dim1", ...)`` for a mesh built without
+    ``mesh_dim_names`` (layouts name their axes; a mesh only needs names to be combined
+    with another, see :func:`joined`)."""
+    return tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
 
-    Build one with :func:`init_device_mesh`. ``mesh.mesh`` is the int tensor of global
-    ranks; ``get_group(axis)`` is the c10d group of this rank's line along ``axis``.
-    """
 
-    def __init__(self, device_type: str, mesh: torch.Tensor, mesh_dim_names: tuple[str, ...],
-                 groups: Sequence[dist.ProcessGroup], coordinate: tuple[int, ...]) -> None:
-        self.device_type = device_type
-        self.mesh = mesh
-        self.mesh_dim_names = tuple(mesh_dim_names)
-        self._groups = tuple(groups)
-        self._coordinate = tuple(coordinate)
-        self._submeshes: dict[tuple[str, ...], DeviceMesh] = {}
-        self._root: DeviceMesh = self  # the mesh this one was sliced from (itself at the top)
-        self._torch_meshes: dict[tuple[str, ...], object] = {}  # root only: see torch_mesh
+def axis_size(mesh: DeviceMesh, name: str) -> int:
+    """The size of the axis called ``name`` (torch's ``mesh.size()`` takes an index)."""
+    names = axis_names(mesh)
+    if name not in names:
+        raise KeyError(f"mesh has no axis {name!r}; its axes are {names}")
+    return mesh.shape[names.index(name)]
 
-    # -- shape -----------------------------------------------------------------------
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.mesh.shape)
 
-    @property
-    def ndim(self) -> int:
-        return self.mesh.ndim
+def coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
+    """This rank's index along every axis of ``mesh``; raises if the rank is not in it."""
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(f"rank {dist.get_rank()} is not part of {mesh}: pass a mesh this rank belongs to "
+                         f"(slice this rank's sub-mesh, e.g. mesh['tp'])")
+    return tuple(coord)
 
-    def size(self, mesh_dim: int | str | None = None) -> int:
-        """Number of ranks in the mesh, or along one axis."""
-        if mesh_dim is None:
-            return self.mesh.numel()
-        return self.shape[self._axis_index(mesh_dim)]
 
-    def get_coordinate(self) -> tuple[int, ...]:
-        """This rank's index along every axis."""
-        return self._coordinate
+def root_of(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced (or flattened) from; itself at the top."""
+    return mesh._get_root_mesh()
 
-    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
-        """This rank's index along ``mesh_dim`` (optional on a 1-D mesh)."""
-        return self._coordinate[self._axis_index(mesh_dim)]
 
-    def get_group(self, mesh_dim: int | str | None = None) -> dist.ProcessGroup:
-        """The process group of this rank's line along ``mesh_dim`` (optional on 1-D)."""
-        return self._groups[self._axis_index(mesh_dim)]
+def joined(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
+    """One torch mesh whose axes are those of ``meshes`` in the order given, over the
+    same process groups (no new group): e.g. ``joined([mesh["tp"], mesh["dp"]])`` is the
+    TP-first mesh fsdp2d puts 2D parameters on (torch applies ``Shard`` placements left
+    to right, which is then exactly fsdp2d's TP-major box; see :mod:`fsdp2d._dtensor`).
+    ``meshes`` must be slices of one mesh (``init_device_mesh``, then ``mesh[...]`` or
+    ``_flatten``) with disjoint, named axes.
 
-    def get_all_groups(self) -> list[dist.ProcessGroup]:
-        return list(self._groups)
-
-    def _axis_index(self, mesh_dim: int | str | None) -> int:
-        if mesh_dim is None:
-            if self.ndim != 1:
-                raise ValueError(
-                    f"mesh has axes {self.mesh_dim_names}: name the axis, e.g. "
-                    f"mesh.get_group({self.mesh_dim_names[0]!r})"
-                )
-            return 0
-        if isinstance(mesh_dim, int):
-            if not -self.ndim <= mesh_dim < self.ndim:
-                raise IndexError(f"mesh axis {mesh_dim} out of range for axes {self.mesh_dim_names}")
-            return mesh_dim % self.ndim
+    The result is a mesh of its own (``DeviceMesh.from_group`` over the slices' groups
+    and the grid of ranks through this rank), not a slice of the user's: torch's
+    redistribute flattens a mesh's axes by slicing its root in the mesh's own axis order,
+    which a TP-first slice of a ``(dp, tp)`` root refuses. Cached on the root mesh, so
+    every caller gets the same object for the same slices."""
+    meshes = list(meshes)
+    if len(meshes) == 1:
+        return meshes[0]
+    root = root_of(meshes[0])
+    key = tuple(meshes)  # torch meshes hash and compare by ranks, layout and names
+    cache = root.__dict__.setdefault("_fsdp2d_joined", {})
+    if key not in cache:
+        if any(m.mesh_dim_names is None for m in meshes):
+            raise ValueError(f"cannot combine meshes without axis names ({', '.join(map(repr, meshes))}): "
+                             f"build the mesh with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+        names = tuple(n for m in meshes for n in m.mesh_dim_names)
+        # (roots are not compared by identity: torch treats meshes as equal by value, and its
+        # DTensor caches may hand back an equal slice of another mesh over the same ranks;
+        # _concatenate checks that every mesh indexes the same ranks)
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"the meshes {', '.join(map(repr, meshes))} are not disjoint slices of one mesh: build one "
+                f"mesh with init_device_mesh and pass its slices (e.g. mesh['tp'] to parallelize_module and "
+                f"mesh['dp'] to fully_shard)")
         try:
-            return self.mesh_dim_names.index(mesh_dim)
-        except ValueError:
-            raise KeyError(f"mesh has no axis {mesh_dim!r}; its axes are {self.mesh_dim_names}") from None
-
-    # -- sub-meshes ------------------------------------------------------------------
-    def __getitem__(self, names: str | Sequence[str]) -> "DeviceMesh":
-        """The sub-mesh of the named axes that passes through this rank."""
-        key = (names,) if isinstance(names, str) else tuple(names)
-        if key == self.mesh_dim_names:
-            return self
-        if key not in self._submeshes:
-            if len(set(key)) != len(key):
-                raise KeyError(f"duplicate axis in {key}")
-            axes = [self._axis_index(n) for n in key]
-            if axes != sorted(axes):
-                raise KeyError(f"sub-mesh axes {key} must keep the mesh order {self.mesh_dim_names}")
-            index = tuple(slice(None) if a in axes else c for a, c in enumerate(self._coordinate))
-            sub = DeviceMesh(self.device_type, self.mesh[index], key,
-                             [self._groups[a] for a in axes], tuple(self._coordinate[a] for a in axes))
-            sub._root = self._root
-            self._submeshes[key] = sub
-        return self._submeshes[key]
-
-    @property
-    def root(self) -> "DeviceMesh":
-        """The mesh ``init_device_mesh`` built, of which this one is a sub-mesh (or itself)."""
-        return self._root
-
-    # -- interop ---------------------------------------------------------------------
-    def to_torch(self):
-        """A ``torch.distributed.device_mesh.DeviceMesh`` over the same process groups
-        (one object per mesh: DTensors compare meshes, so every caller gets the same)."""
-        return self.torch_mesh(self.mesh_dim_names)
-
-    def torch_mesh(self, axes: Sequence[str]):
-        """The torch mesh over the named ``axes`` of this mesh's root, in the order given
-        (any order: fsdp2d puts parameters on ``(tp, dp)`` so that torch's left-to-right
-        ``Shard`` placements describe its TP-major boxes exactly). Cached on the root."""
-        root, axes = self._root, tuple(axes)
-        if axes not in root._torch_meshes:
-            from torch.distributed.device_mesh import DeviceMesh as TorchMesh
-
-            idx = [root._axis_index(a) for a in axes]
-            rest = tuple(c if a not in idx else slice(None) for a, c in enumerate(root._coordinate))
-            grid = root.mesh[rest]  # the axes' sub-grid through this rank, still in root order
-            grid = grid.permute(*[sorted(idx).index(i) for i in idx])  # now in the order asked
-            groups = [root._groups[i] for i in idx]
-            root._torch_meshes[axes] = TorchMesh.from_group(
-                groups if len(groups) > 1 else groups[0], root.device_type, mesh=grid.contiguous(),
-                mesh_dim_names=axes)
-        return root._torch_meshes[axes]
-
-    def __repr__(self) -> str:
-        axes = ", ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.shape))
-        return f"DeviceMesh({self.device_type!r}, {axes}, coordinate={self._coordinate})"
+            grid = DeviceMesh._concatenate(meshes).mesh  # the ranks through this one, in the axes' order
+        except RuntimeError as e:  # overlapping axes, or another root's ranks
+            raise ValueError(f"cannot combine the meshes {', '.join(map(repr, meshes))}: {e}") from None
+        groups = [m.get_group(i) for m in meshes for i in range(m.ndim)]
+        cache[key] = DeviceMesh.from_group(groups, meshes[0].device_type, mesh=grid, mesh_dim_names=names)
+    return cache[key]
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
@@ -206,7 +166,8 @@ def _new_axis_groups(mesh: torch.Tensor, axis: int) -> dist.ProcessGroup:
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                      mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
-    """Build a mesh of ``mesh_shape`` over all ranks (row-major), with named axes.
+    """A torch ``DeviceMesh`` of ``mesh_shape`` over all ranks (row-major), with named axes
+    (``mesh_dim_names``; optional, as in torch, but combining TP and FSDP needs names).
 
     Initialises the default process group if needed (gloo on CPU, NCCL on CUDA) from the
     torchrun environment; a mesh of one rank also works with no launcher at all.
@@ -222,12 +183,10 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     mesh_shape = tuple(int(s) for s in mesh_shape)
     if not mesh_shape or any(s < 1 for s in mesh_shape):
         raise ValueError(f"mesh_shape {mesh_shape} must be a non-empty tuple of positive sizes")
-    if mesh_dim_names is None:
-        mesh_dim_names = tuple(f"dim{i}" for i in range(len(mesh_shape)))
-    names = tuple(mesh_dim_names)
-    if len(names) != len(mesh_shape):
+    names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+    if names is not None and len(names) != len(mesh_shape):
         raise ValueError(f"mesh_dim_names {names} must name each of the {len(mesh_shape)} axes of {mesh_shape}")
-    if len(set(names)) != len(names):
+    if names is not None and len(set(names)) != len(names):
         raise ValueError(f"mesh_dim_names {names} has a duplicate axis name")
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type {device_type!r}: use 'cpu' (gloo) or 'cuda' (NCCL)")
@@ -241,7 +200,7 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
             f"mesh_shape {mesh_shape} ({' x '.join(map(str, mesh_shape))} = {numel} ranks) "
             f"does not match the world size {world}; pick sizes whose product is {world}"
         )
-    mesh = torch.arange(world, dtype=torch.int).reshape(mesh_shape)
-    groups = [_new_axis_groups(mesh, axis) for axis in range(len(mesh_shape))]
-    coordinate = tuple(int(i[0]) for i in (mesh == dist.get_rank()).nonzero(as_tuple=True))
-    return DeviceMesh(device_type, mesh, names, groups, coordinate)
+    grid = torch.arange(world, dtype=torch.int).reshape(mesh_shape)
+    groups = [_new_axis_groups(grid, axis) for axis in range(len(mesh_shape))]
+    return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], device_type, mesh=grid,
+                                 mesh_dim_names=names)

@@ -1,6 +1,7 @@
 """Placements and the frozen ``Layout`` of a sharded tensor: pure index math.
 
-A tensor spread over a device mesh is described per mesh *axis* by a placement:
+A tensor spread over a device mesh is described per mesh *axis* by one of torch's
+placements (``torch.distributed.tensor``; ``fsdp2d.Shard`` *is* torch's ``Shard``):
 ``Shard(dim)`` splits tensor *dim* across the axis, ``Replicate()`` keeps a full copy on
 every rank of the axis, ``Partial()`` holds a summand of the true value. A ``Layout``
 adds the global shape, the mesh shape and the coordinate of one rank, and answers
@@ -24,61 +25,29 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
+# torch's own placement classes (DESIGN item 2): fsdp2d has no look-alikes, so a
+# placement built by torch, torchtitan or a user's script is the same object here.
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "Layout", "chunk_range", "Box"]
-
-
-class Placement:
-    """Base class: how a tensor is spread over one mesh axis."""
-
-    def is_shard(self, dim: int | None = None) -> bool:
-        return False
-
-    def is_replicate(self) -> bool:
-        return False
-
-    def is_partial(self) -> bool:
-        return False
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "Layout", "chunk_range", "Box", "check_placement"]
 
 
-@dataclass(frozen=True)
-class Shard(Placement):
-    """Tensor dim ``dim`` is split across the axis (``torch.chunk`` semantics).
-
-    ``dim`` may be negative (``Shard(-1)`` = last dim); ``Layout`` normalises it.
-    """
-
-    dim: int
-
-    def is_shard(self, dim: int | None = None) -> bool:
-        return dim is None or self.dim == dim
-
-    def __repr__(self) -> str:
-        return f"Shard({self.dim})"
-
-
-@dataclass(frozen=True)
-class Replicate(Placement):
-    """Every rank of the axis holds the full (axis-wise) tensor."""
-
-    def is_replicate(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "Replicate()"
-
-
-@dataclass(frozen=True)
-class Partial(Placement):
-    """Every rank holds a summand; the true value is the sum over the axis."""
-
-    reduce_op: str = "sum"
-
-    def is_partial(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "Partial()"
+def check_placement(p: object, where: str = "placement") -> Placement:
+    """``p`` if it is one of the placements a :class:`Layout` describes exactly:
+    ``Shard(dim)``, ``Replicate()`` or ``Partial("sum")``. Anything else raises naming
+    it: torch's ``_StridedShard`` (an interleaved split; a Layout's split order says the
+    same thing, see ``fsdp2d.bridge.from_dtensor``), a ``Partial`` that averages or takes
+    a max (its summands are not a sum), ``_MaskPartial`` (vocab-parallel embedding
+    internals), or a non-placement."""
+    if type(p) in (Shard, Replicate):
+        return p  # type: ignore[return-value]
+    if type(p) is Partial and p.reduce_op == "sum":
+        return p  # type: ignore[return-value]
+    if isinstance(p, Partial):
+        raise ValueError(f"{where} {p!r}: only Partial('sum') describes a sum of summands fsdp2d can reduce; "
+                         f"redistribute to Replicate() first")
+    raise TypeError(f"{where} {p!r} is not Shard(dim), Replicate() or Partial(): torch's "
+                    f"torch.distributed.tensor placements are expected (fsdp2d.Shard is torch's Shard)")
 
 
 def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
@@ -177,8 +146,7 @@ class Layout:
         set_("_pieces", pieces)
 
     def _normalise(self, p: Placement) -> Placement:
-        if not isinstance(p, Placement):
-            raise TypeError(f"placement {p!r} is not a Shard, Replicate or Partial")
+        p = check_placement(p)
         if isinstance(p, Shard):
             ndim = len(self.global_shape)
             if not -ndim <= p.dim < ndim:

@@ -26,13 +26,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2d
 from fsdp2d import checkpoint as ckpt
 from fsdp2d.checkpoint import _commit
 from fsdp2d.checkpoint._entries import materialize_state
-from fsdp2d.debug import CollectiveCounter
+from fsdp2d.debug import CollectiveCounter, init_fake_world
 from fsdp2d.models import Llama, LlamaArgs, llama_tp_plan
 
 TP = 8
@@ -69,7 +68,7 @@ def _counted(counter: CollectiveCounter) -> dict:
 
 def one_rank(world: int, rank: int, folder: Path) -> dict:
     global _OPENED
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    init_fake_world(rank, world)
     try:
         model, opt = build(world)
         path = folder / f"w{world}"

@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2d
-from fsdp2d.debug import OpCounter
+from fsdp2d.debug import OpCounter, init_fake_world
 from fsdp2d.models import Llama, LlamaArgs, llama_tp_plan
 
 TP = 2
@@ -50,7 +49,7 @@ def build(world: int, kind: str):
 
 
 def step_counts(world: int, kind: str) -> dict:
-    dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
+    init_fake_world(world - 1, world)
     try:
         model = build(world, kind)
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -76,7 +75,7 @@ def step_counts(world: int, kind: str) -> dict:
 
 
 def leak() -> dict:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=16)
+    init_fake_world(0, 16)
     try:
         model = build(16, "uneven")
         refs = [weakref.ref(model), weakref.ref(model.layers[0]), weakref.ref(model._fsdp2d_fsdp)]

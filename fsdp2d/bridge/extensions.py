@@ -31,9 +31,8 @@ from typing import Any
 import torch
 
 from .. import _collectives as C
-from .._dtensor import _torch_placement
-from ..mesh import DeviceMesh
-from ..placement import Box, Layout, Partial, Replicate, Shard, chunk_range
+from ..mesh import DeviceMesh, axis_names, axis_size, coordinate
+from ..placement import Box, Layout, Partial, Replicate, Shard, check_placement, chunk_range
 from ._layout import fsdp_layout
 
 __all__ = ["LocalShard", "DTensorExtensions", "gather_full", "gather_axes", "to_dtensor", "from_dtensor"]
@@ -128,8 +127,8 @@ class DTensorExtensions:
         """``device_mesh``: the full mesh, FSDP axes first and the TP axis last."""
         local, ext = _tp_of(tensor)
         tp_layout = self._tp_layout(local, ext, device_mesh)
-        fsdp_axes = device_mesh.mesh_dim_names[:-1]
-        coord = device_mesh.get_coordinate()[:-1]
+        fsdp_axes = axis_names(device_mesh)[:-1]
+        coord = coordinate(device_mesh)[:-1]
         if tp_layout is None:  # not TP-sharded: replicated over TP, chunked over FSDP
             layout = fsdp_layout(tuple(local.shape), None, device_mesh.shape[:-1], fsdp_axes, coord)
             return LocalShard(layout.shard(local.detach()).clone(), layout)
@@ -144,9 +143,8 @@ class DTensorExtensions:
         if ext[0] == "fsdp2d":
             return ext[1]
         _, tmesh, placements, shape, _ = ext
-        tp_name = mesh.mesh_dim_names[-1]
-        return Layout(shape, (tmesh.size(),), (tp_name,), tuple(_from_torch_placement(p) for p in placements),
-                      (tmesh.get_local_rank(),))
+        lay = layout_of_spec(tmesh, placements, shape)
+        return Layout(lay.global_shape, lay.mesh_shape, (axis_names(mesh)[-1],), lay.placements, lay.coordinate)
 
     def pre_load_state_dict_transform(self, tensor: Any) -> tuple[torch.Tensor, list[Box]]:
         if isinstance(tensor, LocalShard):
@@ -154,20 +152,18 @@ class DTensorExtensions:
         local, ext = _tp_of(tensor)
         if ext is None:
             return local, [Box((0,) * local.ndim, tuple(local.shape))]
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         _, tmesh, placements, shape, _ = ext
-        lshape, offset = compute_local_shape_and_global_offset(shape, tmesh, placements)
-        return local, [Box(tuple(offset), tuple(lshape))] if local.numel() else []
+        return local, [layout_of_spec(tmesh, placements, shape).box] if local.numel() else []
 
     def all_gather_dtensor(self, tensor: LocalShard, parent_mesh: DeviceMesh) -> LocalShard:
         """All-gather over the FSDP axes; the TP-local shard with its TP-only layout."""
         lay = tensor.layout
-        fsdp_axes = [n for n, p in zip(lay.axis_names, lay.placements) if n in parent_mesh.mesh_dim_names[:-1]]
+        names = axis_names(parent_mesh)
+        fsdp_axes = [n for n in lay.axis_names if n in names[:-1]]
         x, _ = gather_axes(tensor.tensor, lay, parent_mesh, fsdp_axes)
-        tp = parent_mesh.mesh_dim_names[-1]
+        tp = names[-1]
         if tp not in lay.axis_names:  # chunk_dtensor of a tensor TP does not shard: replicated over TP
-            tp_layout = Layout(lay.global_shape, (parent_mesh.size(tp),), (tp,), (Replicate(),),
+            tp_layout = Layout(lay.global_shape, (axis_size(parent_mesh, tp),), (tp,), (Replicate(),),
                                (parent_mesh.get_local_rank(tp),))
             return LocalShard(x, tp_layout)
         i = lay.axis(tp)
@@ -176,15 +172,6 @@ class DTensorExtensions:
 
     def all_gather(self, tensor: LocalShard, mesh: DeviceMesh) -> torch.Tensor:
         return gather_full(tensor.tensor, tensor.layout, mesh)
-
-
-def _from_torch_placement(p: Any) -> Any:
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    # torch's _StridedShard is not a Shard and its is_shard() is False: test it first.
-    if p.is_shard() or isinstance(p, _StridedShard):
-        return Shard(p.dim)
-    return Partial() if p.is_partial() else Replicate()
 
 
 def _strided_shard_is_exact(size: int, inner: int, outer: int) -> bool:
@@ -209,7 +196,7 @@ def _torch_placements(layout: Layout) -> list:
     """The torch placements with the same data layout as ``layout`` (see :func:`to_dtensor`)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    placements = [_torch_placement(p) for p in layout.placements]
+    placements = list(layout.placements)
     by_dim: dict[int, list[int]] = {}
     for axis, p in enumerate(layout.placements):
         if isinstance(p, Shard):
@@ -233,7 +220,8 @@ def _torch_placements(layout: Layout) -> list:
 
 
 def to_dtensor(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh):
-    """A torch DTensor with the same data layout as (``tensor``, ``layout``) on ``mesh``.
+    """A torch DTensor with the same data layout as (``tensor``, ``layout``) on the torch
+    ``mesh`` (whose axes are the layout's, in order).
 
     Axes that shard distinct dims map to torch ``Shard``; a TP-major 2D split of one dim
     (FSDP over TP) maps to torch's ``_StridedShard`` on the FSDP axis. Layouts torch
@@ -243,39 +231,54 @@ def to_dtensor(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh):
     """
     from torch.distributed.tensor import DTensor
 
-    if tuple(layout.axis_names) != tuple(mesh.mesh_dim_names):
-        raise ValueError(f"layout axes {layout.axis_names} != mesh axes {mesh.mesh_dim_names}")
+    if axis_names(mesh) != tuple(layout.axis_names):
+        raise ValueError(f"layout axes {layout.axis_names} != mesh axes {axis_names(mesh)}")
     if tuple(layout.mesh_shape) != tuple(mesh.shape):
         raise ValueError(f"layout mesh shape {layout.mesh_shape} != mesh shape {tuple(mesh.shape)}")
-    if tuple(layout.coordinate) != tuple(mesh.get_coordinate()):
-        raise ValueError(f"layout coordinate {layout.coordinate} != this rank's mesh coordinate "
-                         f"{tuple(mesh.get_coordinate())}")
+    if tuple(layout.coordinate) != coordinate(mesh):
+        raise ValueError(f"layout coordinate {layout.coordinate} != this rank's mesh coordinate {coordinate(mesh)}")
     placements = _torch_placements(layout)
     shape = layout.global_shape
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(tensor, mesh.to_torch(), placements, run_check=False, shape=torch.Size(shape),
-                              stride=stride)
+    return DTensor.from_local(tensor, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def layout_of_spec(mesh: DeviceMesh, placements: Any, global_shape: Any, where: str = "DTensor") -> Layout:
+    """The :class:`Layout` of this rank's piece of a tensor of ``global_shape`` with torch
+    ``placements`` on ``mesh``: read from the placements, never from a local shape.
+
+    ``_StridedShard(d, split_factor=f)`` is torch's encoding of a split of dim ``d`` that
+    happens after the split of a later axis of ``f`` ranks (FSDP over TP on a (dp, tp)
+    mesh): it becomes a ``Shard(d)`` whose axis comes after that one in ``split_order``,
+    if torch's interleaved chunks are exactly those TP-major boxes (always when even;
+    ``_strided_shard_is_exact``). Anything a Layout cannot state exactly raises naming
+    ``where``: another split factor, uneven chunks that interleave, ``Partial`` other than
+    a sum, vocab-parallel ``_MaskPartial``."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    names, shape = axis_names(mesh), tuple(mesh.shape)
+    plain, strided = [], []
+    for axis, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            plain.append(Shard(p.dim))
+            strided.append((axis, p))
+        else:
+            plain.append(check_placement(p, f"{where}: placement on mesh axis {names[axis]!r},"))
+    order = list(range(len(shape)))
+    for axis, p in strided:  # the strided axis splits after the axis that shards the same dim
+        later = [a for a in range(axis + 1, len(shape)) if plain[a] == Shard(p.dim)]
+        dim = p.dim % len(global_shape)
+        if len(later) != 1 or p.split_factor != shape[later[0]] or \
+                not _strided_shard_is_exact(global_shape[dim], shape[later[0]], shape[axis]):
+            raise NotImplementedError(
+                f"{where}: placement {p} on mesh axis {names[axis]!r} of {tuple(placements)} is not a TP-major "
+                f"split fsdp2d can state exactly (global shape {tuple(global_shape)}, mesh {dict(zip(names, shape))}); "
+                f"redistribute it to Shard/Replicate placements first")
+        order.remove(axis)
+        order.insert(order.index(later[0]) + 1, axis)
+    return Layout(tuple(global_shape), shape, names, tuple(plain), coordinate(mesh), tuple(order))
 
 
 def from_dtensor(dt: Any) -> tuple[torch.Tensor, Layout]:
     """(local tensor, Layout) of a torch DTensor; inverse of :func:`to_dtensor`."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    mesh = dt.device_mesh
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    placements, strided = [], []
-    for axis, p in enumerate(dt.placements):
-        placements.append(_from_torch_placement(p))
-        if isinstance(p, _StridedShard):
-            strided.append(axis)
-    order = list(range(mesh.ndim))
-    for axis in strided:  # the strided axis splits after the axis that shards the same dim
-        dim = dt.placements[axis].dim
-        later = [a for a in order if a != axis and isinstance(placements[a], Shard) and placements[a].dim == dim]
-        if not later:  # no other axis shards this dim: a plain split, order irrelevant
-            continue
-        order.remove(axis)
-        order.insert(order.index(later[-1]) + 1, axis)
-    layout = Layout(tuple(dt.shape), tuple(mesh.shape), tuple(names), tuple(placements),
-                    tuple(mesh.get_coordinate()), tuple(order))
-    return dt.to_local(), layout
+    return dt.to_local(), layout_of_spec(dt.device_mesh, dt.placements, tuple(dt.shape))

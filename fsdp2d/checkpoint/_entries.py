@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._dtensor import local_of
+from torch.distributed.tensor import DTensor
+
+from .._dtensor import layout_of, local_of
 from ..fsdp import fsdp_params
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, axis_names, root_of
 from ..placement import Box, Layout
-from ..tensor_parallel import tp_params
 
 
 @dataclass
@@ -41,11 +42,19 @@ class Entry:
 
 
 def _layouts(model: nn.Module) -> dict[str, tuple[Layout, dict, DeviceMesh]]:
-    """fqn -> (layout, {axis name: group}, root mesh) for every sharded parameter."""
-    layouts = {fqn: (info.layout, {n: info.mesh.get_group(n) for n in info.mesh.mesh_dim_names}, info.mesh.root)
-               for fqn, info in tp_params(model)}
-    layouts.update({fqn: (p.layout, p.axis_groups, p.mesh.root) for fqn, p in fsdp_params(model)})  # 2D wins
-    return layouts
+    """fqn -> (layout, {axis name: group}, the user's root mesh) for every sharded
+    parameter: every DTensor parameter, whoever sharded it (fsdp2d's TP or FSDP, torch's
+    TP), read from its placements, so no sharded parameter is ever saved as if whole.
+    The root mesh (``init_device_mesh``'s, whose axis order the index records) of an FSDP
+    parameter is its FSDP mesh's; its own DTensor mesh is fsdp2d's TP-first one."""
+    out = {}
+    for fqn, p in _named_params(model).items():
+        if isinstance(p, DTensor):
+            tmesh = p.device_mesh
+            groups = {n: tmesh.get_group(i) for i, n in enumerate(axis_names(tmesh))}
+            out[fqn] = (layout_of(p), groups, root_of(tmesh))
+    out.update({fqn: (p.layout, p.axis_groups, root_of(p.mesh)) for fqn, p in fsdp_params(model)})
+    return out
 
 
 def _named_params(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -124,6 +133,9 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
             for key, value in sorted(state.items()):
                 if not isinstance(value, torch.Tensor):
                     continue
+                if isinstance(value, DTensor) and lay is not None and layout_of(value) != lay:
+                    raise ValueError(f"optimizer state {key!r} of {fqn!r} is laid out as {value.placements}, its "
+                                     f"parameter as {p.placements}; save cannot tell which box it holds")
                 if value.shape == p.shape and value.ndim > 0:  # DTensor state of a DTensor parameter
                     shape = lay.global_shape if lay is not None else tuple(p.shape)
                     entries.append(Entry(f"optim/{fqn}/{key}", local_of(value), lay, shape, groups, mesh))

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save as st_save
 
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, axis_names, coordinate
 from ..placement import Box
 from . import _commit, _files
 from ._agree import agree
@@ -77,8 +77,7 @@ def _model_mesh(entries: list[Entry]) -> DeviceMesh | None:
     """The one root mesh of every sharded entry (None: nothing is sharded)."""
     meshes = list({id(e.mesh): e.mesh for e in entries if e.mesh is not None}.values())
     for m in meshes[1:]:
-        if (m.mesh_dim_names, m.shape) != (meshes[0].mesh_dim_names, meshes[0].shape) \
-                or not torch.equal(m.mesh, meshes[0].mesh):
+        if m != meshes[0]:
             raise ValueError(f"the model's parameters lie on two meshes ({meshes[0]} and {m}); a checkpoint holds "
                              f"one: build one mesh with init_device_mesh and slice it for TP and FSDP")
     return meshes[0] if meshes else None
@@ -94,7 +93,7 @@ def _plan(model: torch.nn.Module, optimizer, extra: dict | None) -> _Plan:
     if root is None:  # one box per tensor, written by rank 0
         mesh, coord = ((), ()), (() if not dist.is_initialized() or dist.get_rank() == 0 else None)
     else:
-        mesh, coord = (root.mesh_dim_names, root.shape), root.get_coordinate()
+        mesh, coord = (axis_names(root), tuple(root.shape)), coordinate(root)
     tensors = {}
     for e in entries:
         if e.layout is not None:
@@ -114,9 +113,9 @@ def _writer(mesh: tuple, e: Entry) -> str | None:
 
 
 def _check_on_mesh(e: Entry, root: DeviceMesh) -> None:
-    lay, names = e.layout, root.mesh_dim_names
-    if any(a not in names or root.size(a) != n or root.get_local_rank(a) != c
-           for a, n, c in zip(lay.axis_names, lay.mesh_shape, lay.coordinate)):
+    lay, names = e.layout, axis_names(root)
+    at = dict(zip(names, zip(root.shape, coordinate(root))))
+    if any(at.get(a) != (n, c) for a, n, c in zip(lay.axis_names, lay.mesh_shape, lay.coordinate)):
         raise ValueError(f"{e.name}: its layout (axes {lay.axis_names}, sizes {lay.mesh_shape}, coordinate "
                          f"{lay.coordinate}) does not sit on the model's mesh {root}")
 

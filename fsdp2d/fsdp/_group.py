@@ -29,7 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .. import _collectives as C
 from .._dtensor import as_dtensor, install_rest_hooks, local_of
 from .._stale import mark_replaced
-from ._param import FSDPParam
+from ._param import FSDPParam, alias
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 
@@ -117,7 +117,7 @@ class FSDPParamGroup:
             current = p.module._parameters[p.name]
             p.requires_grad = current.requires_grad
             flat = self.flats[current.dtype]
-            view = flat[p.store_offset:p.store_offset + p.shard_rows[1] * p.row_numel].view(p.shard_shape)
+            view = alias(flat, p.store_offset, p.shard_shape)
             with torch.no_grad():
                 src = _shard_source(p, current)
                 if src.device.type != "meta" and store.type != "meta":
@@ -194,9 +194,12 @@ class FSDPParamGroup:
 
     # -- all-gather ------------------------------------------------------------------
     def _shard_versions(self) -> tuple:
-        """Changes when any shard changes: in-place edits bump the flat buffers' shared
-        version counters; optimizer steps (fused ones included) are counted globally."""
-        return (_OPTIMIZER_STEPS[0], *(f._version for f in self.flats.values()))
+        """Changes when any shard changes: in-place edits bump the version counter of the
+        flat buffer they went through (FSDP1's flat parameter) or of the shard's own
+        local tensor (an alias of the flat buffer, see ``_param.alias``); optimizer steps
+        (fused ones included) are counted globally."""
+        return (_OPTIMIZER_STEPS[0], *(f._version for f in self.flats.values()),
+                *(p.expected_local._version for p in self.params))
 
     def unshard(self, async_op: bool = False) -> None:
         if self.unsharded and self._shard_versions() != self._gathered_versions:
@@ -274,7 +277,7 @@ class FSDPParamGroup:
         ``unsharded.grad`` then only ever holds the current backward's gradient, which is
         what an aborted backward's recovery drops."""
         for p in self.params:
-            g = p.unsharded.grad
+            g = p.unsharded_grad()
             if g is not None:  # .to() is a no-op reference when the dtypes already match
                 p.acc_grad = g.to(self.reduce_dtype) if p.acc_grad is None else p.acc_grad.add_(g)
                 p.unsharded.grad = None
@@ -285,7 +288,7 @@ class FSDPParamGroup:
             return
         grads = []
         for p in self.params:
-            g = p.unsharded.grad
+            g = p.unsharded_grad()
             if p.acc_grad is not None:  # microbatches accumulated without sync
                 g = p.acc_grad if g is None else p.acc_grad.add_(g)
                 p.acc_grad = None
@@ -390,16 +393,25 @@ class FSDPParamGroup:
 
 
 def _shard_source(p: FSDPParam, current: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of whatever the module holds: our own shard (local shape
-    ``shard_shape``), or the whole FSDP-unsharded (TP-local) parameter."""
-    local = local_of(current)
-    if tuple(local.shape) == p.shard_shape:
-        return local
-    if tuple(local.shape) == p.unsharded_shape:
-        return p.shard_of(local)
-    raise ValueError(f"fully_shard: parameter {p.fqn!r} was replaced by a tensor of local shape "
-                     f"{tuple(local.shape)}; expected this rank's shard {p.shard_shape} or the whole "
-                     f"{p.unsharded_shape} (load full tensors with load_state_dict, not by assigning)")
+    """This rank's rows of whatever the module holds, read from its placements, never
+    from its local shape: a DTensor laid out as our shard (``to_empty()``, ``.to()``), a
+    DTensor with the parameter's TP layout (at ``fully_shard``: TP-local, we take our
+    rows), or a plain tensor of the global shape (we take our box)."""
+    if isinstance(current, DTensor):
+        spec, placements = current._spec, tuple(current.placements)
+        if spec.mesh == p.spec_mesh and placements == p.layout.placements:
+            return current._local_tensor
+        tp_mesh = p.tp.mesh if p.tp is not None else None
+        if spec.mesh == tp_mesh and placements == p.tp.layout.placements:
+            return p.shard_of(current._local_tensor)
+        raise ValueError(f"fully_shard: parameter {p.fqn!r} is a DTensor with placements {placements} on {spec.mesh}; "
+                         f"expected {p.layout.placements} on {p.spec_mesh}"
+                         + (f" or its TP layout {p.tp.layout.placements} on {tp_mesh}" if p.tp is not None else ""))
+    if tuple(current.shape) == p.layout.global_shape:
+        return p.layout.shard(current)
+    raise ValueError(f"fully_shard: parameter {p.fqn!r} was replaced by a plain tensor of shape {tuple(current.shape)}; "
+                     f"expected its global shape {p.layout.global_shape} or a DTensor (load full tensors with "
+                     f"load_state_dict, not by assigning local pieces)")
 
 
 def _set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

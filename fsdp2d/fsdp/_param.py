@@ -28,44 +28,69 @@ import weakref
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
-from .._dtensor import spec_of
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from .._dtensor import as_dtensor, spec_of
 from .._stale import mark_transient
 from ..bridge._layout import fsdp_layout
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, axis_names, coordinate, joined
 from ..placement import Layout, Replicate, chunk_range
 from ..tensor_parallel._params import TPParam
 
 
-def param_layout(fqn: str, global_shape: tuple[int, ...], tp: TPParam | None, mesh: DeviceMesh,
-                 tp_axes: tuple[str, ...]) -> Layout:
-    """The 2D layout of a parameter sharded over the FSDP ``mesh`` after TP, over the
-    axes ``(tp_axes, FSDP axes)``: a parameter TP does not shard is ``Replicate()`` on
-    the TP axes (those used anywhere under the module passed to ``fully_shard``), so
-    every parameter of a model has the same axes."""
-    root = mesh.root
-    if tp is not None and tp.mesh.root is not root:
-        raise ValueError(f"fully_shard: parameter {fqn!r} is tensor-parallel on a mesh that is not part of the "
-                         f"FSDP mesh's; build one mesh with init_device_mesh and pass mesh['tp'] to "
-                         f"parallelize_module and mesh['dp'] to fully_shard")
+def param_layout(global_shape: tuple[int, ...], tp: TPParam | None, mesh: DeviceMesh,
+                 tp_mesh: DeviceMesh | None) -> Layout:
+    """The 2D layout of a parameter sharded over the FSDP ``mesh`` after TP, over the axes
+    of ``joined([tp_mesh, mesh])`` (TP first: torch splits left to right). A parameter TP
+    does not shard is ``Replicate()`` on the TP axes (``tp_mesh``: the TP mesh of the
+    model's tensor-parallel parameters), so every parameter of a model has the same axes."""
     tp_layout = tp.layout if tp is not None else None
-    if tp_layout is None and tp_axes:  # replicated over TP
-        tp_layout = Layout(global_shape, tuple(root.size(a) for a in tp_axes), tp_axes,
-                           (Replicate(),) * len(tp_axes), tuple(root.get_local_rank(a) for a in tp_axes))
-    layout = fsdp_layout(global_shape, tp_layout, mesh.shape, mesh.mesh_dim_names, mesh.get_coordinate())
+    if tp_layout is None and tp_mesh is not None:  # replicated over TP
+        tp_layout = Layout(global_shape, tuple(tp_mesh.shape), axis_names(tp_mesh),
+                           (Replicate(),) * tp_mesh.ndim, coordinate(tp_mesh))
+    layout = fsdp_layout(global_shape, tp_layout, tuple(mesh.shape), axis_names(mesh), coordinate(mesh))
     tp_names = tp_layout.axis_names if tp_layout is not None else ()
-    return layout.reorder(tp_names + mesh.mesh_dim_names)  # TP first: torch splits left to right
+    return layout.reorder(tp_names + axis_names(mesh))
+
+
+def alias(flat: torch.Tensor, start: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """``flat[start:start + numel].view(shape)`` as a tensor of its own storage offset 0,
+    over the same memory (a slice of ``flat``'s storage, which keeps it alive): FSDP's
+    shards and their gradients are DTensors whose local tensors live in one flat buffer,
+    and torch pickles a DTensor wrapping a view with a storage offset as if it were a
+    plain tensor (``torch.save`` then fails on its data pointer: the wrapper's storage
+    offset follows the local tensor's). In-place edits bump the alias's own version
+    counter, not ``flat``'s (see ``FSDPParamGroup._shard_versions``). Meta and fake
+    tensors have no storage to slice: a plain view there."""
+    n = math.prod(shape)
+    if flat.device.type == "meta" or is_fake(flat):
+        return flat[start:start + n].view(shape)
+    size = flat.element_size()
+    begin = (flat.storage_offset() + start) * size
+    return flat.new_empty(0).set_(flat.untyped_storage()[begin:begin + n * size], 0, shape)
 
 
 class FSDPParam:
+    """One parameter of a ``fully_shard`` group.
+
+    ``tp``: its tensor-parallel layout (fsdp2d's ``parallelize_module`` record, or read
+    from the placements of a DTensor that torch's TP made). ``tp_spec``: for TP that
+    fsdp2d did not apply, the DTensor spec the module's own forward expects (its TP hooks
+    and DTensor ops compute on DTensors), so the unsharded parameter is a DTensor with it;
+    None when compute is plain. ``mesh``: the FSDP mesh; ``spec_mesh``: the TP-first mesh
+    the sharded parameter lives on."""
+
     def __init__(self, module: nn.Module, name: str, fqn: str, tp: TPParam | None, mesh: DeviceMesh,
-                 tp_axes: tuple[str, ...] = ()) -> None:
+                 tp_mesh: DeviceMesh | None = None, tp_spec: DTensorSpec | None = None) -> None:
         param = module._parameters[name]
         assert param is not None
         if param.ndim == 0:
             raise ValueError(f"fully_shard: parameter {fqn!r} is a 0-dim scalar; FSDP shards dim 0, "
                              f"so give it shape (1,)")
-        self.module, self.name, self.fqn, self.tp = module, name, fqn, tp
+        self.module, self.name, self.fqn, self.tp, self.tp_spec = module, name, fqn, tp, tp_spec
         self.aliases: list[tuple[nn.Module, str]] = []  # other (module, name) holding it (tied)
         self.sharded: nn.Parameter = param
         # The tensor fully_shard found, to spot ties across groups. Weakly: a strong reference
@@ -75,7 +100,8 @@ class FSDPParam:
         self.requires_grad = param.requires_grad
         self.unsharded_shape = tuple(tp.layout.local_shape) if tp is not None else tuple(param.shape)
         self.mesh = mesh
-        k, rank = mesh.shape[-1], mesh.get_coordinate()[-1]
+        self.spec_mesh = joined([tp_mesh, mesh]) if tp_mesh is not None else mesh
+        k, rank = mesh.shape[-1], coordinate(mesh)[-1]
         self.num_shards = k
         rows = self.unsharded_shape[0]
         self.padded_rows = -(-rows // k)
@@ -85,11 +111,12 @@ class FSDPParam:
         self.shard_rows = (start, n)
         self.shard_shape = (n, *self.unsharded_shape[1:])
         global_shape = tp.layout.global_shape if tp is not None else self.unsharded_shape
-        self.layout: Layout = param_layout(fqn, global_shape, tp, mesh, tp_axes)
+        self.layout: Layout = param_layout(global_shape, tp, mesh, tp_mesh)
         self._specs: dict = {}  # dtype -> DTensorSpec of the sharded parameter
         self.offset = 0  # in the all-gather buffer; set by the group
         self.store_offset = 0  # in this parameter's dtype's flat storage
-        self.axis_groups: dict = {}  # mesh axis name -> process group, for every layout axis
+        # mesh axis name -> process group, for every layout axis
+        self.axis_groups = {n: self.spec_mesh.get_group(i) for i, n in enumerate(axis_names(self.spec_mesh))}
         self.unsharded: nn.Parameter | None = None
         self.padded: torch.Tensor | None = None  # the unsharded storage, k * padded_rows rows
         self.acc_grad: torch.Tensor | None = None  # no-sync accumulation in reduce_dtype
@@ -98,14 +125,15 @@ class FSDPParam:
     def spec(self, dtype: torch.dtype):
         """The DTensor spec of the sharded parameter (and its gradient) in ``dtype``."""
         if dtype not in self._specs:
-            self._specs[dtype] = spec_of(self.layout, self.mesh, dtype)
+            self._specs[dtype] = spec_of(self.layout, self.spec_mesh, dtype)
         return self._specs[dtype]
 
 
     def shard_in(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's shard (``shard_shape``) as a view of a flat tensor laid out like the
-        all-gather buffer: a reduce-scattered gradient, a flat parameter or its state."""
-        return flat[self.offset:self.offset + self.shard_rows[1] * self.row_numel].view(self.shard_shape)
+        """This rank's shard (``shard_shape``) in a flat tensor laid out like the all-gather
+        buffer (a reduce-scattered gradient, a flat parameter or its state), sharing its
+        memory (see :func:`alias`)."""
+        return alias(flat, self.offset, self.shard_shape)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a tensor of the unsharded shape."""
@@ -118,6 +146,10 @@ class FSDPParam:
         not); the parameter is a view of the first ``rows`` of them."""
         padded = torch.empty(self.num_shards * self.segment_numel, dtype=dtype, device=device)
         rows = padded[:self.unsharded_shape[0] * self.row_numel].view(self.unsharded_shape)
+        if self.tp_spec is not None:  # the module computes on DTensors (TP torch applied)
+            meta = self.tp_spec.tensor_meta
+            spec = DTensorSpec(self.tp_spec.mesh, self.tp_spec.placements, TensorMeta(meta.shape, meta.stride, dtype))
+            rows = as_dtensor(rows, spec)
         self.unsharded = nn.Parameter(rows, requires_grad=self.requires_grad)
         mark_transient(self.unsharded, self.fqn)
         # .data: the same storage with its own version counter, so refilling what autograd
@@ -133,7 +165,21 @@ class FSDPParam:
 
     def free_unsharded(self) -> None:
         if self.unsharded is not None and self.unsharded.device.type != "meta":
-            self.unsharded.untyped_storage().resize_(0)
+            self.padded.untyped_storage().resize_(0)
+
+    def unsharded_grad(self) -> torch.Tensor | None:
+        """The plain (TP-local) gradient of the unsharded parameter. A DTensor gradient
+        (TP that torch applied) is first brought to the parameter's own placements, as
+        torch FSDP2 does: e.g. a replicated norm weight on sequence shards gets a
+        ``Partial`` gradient, summed over TP here."""
+        g = self.unsharded.grad
+        if isinstance(g, DTensor):
+            if g.placements != self.tp_spec.placements:
+                g = g.redistribute(self.tp_spec.mesh, self.tp_spec.placements)
+            g = g.to_local()
+            wait = getattr(g, "wait", None)  # an AsyncCollectiveTensor from the redistribute
+            g = wait() if callable(wait) else g
+        return g
 
     def copy_in(self, gathered: torch.Tensor, dst: torch.Tensor, offset: int | None = None) -> None:
         """Fill ``dst`` (the unsharded shape) from the all-gathered flat buffer viewed

@@ -93,8 +93,14 @@ class _Context:
 
 
 class FSDPState:
-    def __init__(self, module: torch.nn.Module, group: FSDPParamGroup | None, mp: MixedPrecisionPolicy) -> None:
-        self.module, self.group, self.mp = module, group, mp
+    """The hooks of one ``fully_shard`` call. ``modules``: the module it was applied to,
+    or the modules of a list (one group: the first of them to run forward gathers, the
+    last to finish reshards, as torch)."""
+
+    def __init__(self, modules: list[torch.nn.Module], group: FSDPParamGroup | None,
+                 mp: MixedPrecisionPolicy) -> None:
+        self.modules, self.module, self.group, self.mp = modules, modules[0], group, mp
+        self._pending: set[int] = set()  # ids of the list's modules yet to finish this forward
         self.ctx: _Context | None = None
         self.is_root = False
         self.in_backward = False
@@ -118,14 +124,20 @@ class FSDPState:
         ctx = self.ctx
         if self.is_root and (ctx.callback_queued or any(s.in_backward for s in ctx.states)):
             ctx.recover()  # the previous backward raised before its callback could run
-        if ctx.recording:
+        if self.is_root:
+            for s in ctx.states:  # a new forward: no list module is still pending
+                s._pending.clear()
+        first = not self._pending
+        if first:
+            self._pending = {id(m) for m in self.modules}
+        if ctx.recording and first:
             ctx.order.append(self)
-        if self.group is not None:
+        if self.group is not None:  # idempotent for the later modules of a list
             self.group.sync_params()
             self.group.unshard()
             self.group.register_unsharded()
         prefetch = self.forward_prefetch if self.forward_prefetch is not None else ctx.neighbour(self, 1)
-        for s in prefetch:
+        for s in prefetch if first else ():
             if s.group is not None:
                 s.group.unshard(async_op=True)
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
@@ -140,7 +152,9 @@ class FSDPState:
         # optimizer step before the next forward would leave stale unsharded weights. (A
         # grad-enabled forward never followed by backward leaves the root unsharded; its
         # next unshard re-gathers if the shards changed meanwhile, see unshard.)
-        reshard = self.group is not None and not self.in_backward and \
+        self._pending.discard(id(module))
+        last = not self._pending
+        reshard = last and self.group is not None and not self.in_backward and \
             (self.group.reshard_after_forward or not torch.is_grad_enabled())
         if reshard:
             self.group.reshard()

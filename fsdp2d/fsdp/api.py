@@ -18,9 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
 from .._dtensor import local_of
-from ..tensor_parallel._params import tp_params
-from ..mesh import DeviceMesh
+from ..bridge.extensions import layout_of_spec
+from ..mesh import DeviceMesh, axis_names, joined
+from ..tensor_parallel._params import TPParam, tp_params
 from ._group import FSDPParamGroup
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._param import FSDPParam
@@ -50,7 +54,8 @@ class FSDPModule:
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
         mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        return [m._fsdp2d_fsdp for m in mods if isinstance(m, FSDPModule)]
+        states = [m._fsdp2d_fsdp for m in mods if isinstance(m, FSDPModule)]
+        return list({id(s): s for s in states}.values())  # one state may serve a list of modules
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (e.g. to prefetch by hand)."""
@@ -109,8 +114,14 @@ _FSDP_CLASSES: dict[type, type] = {}
 
 def _fsdp_class(cls: type) -> type:
     if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
     return _FSDP_CLASSES[cls]
+
+
+def _no_deepcopy(*args, **kwargs):
+    # torch FSDP2's own refusal, word for word: a copy would share the flat buffers and
+    # process groups of the original (and its hooks would drive the original's state)
+    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
 
 
 def _world_mesh() -> DeviceMesh:
@@ -120,8 +131,7 @@ def _world_mesh() -> DeviceMesh:
     if _WORLD_MESH and _WORLD_MESH[0] is world_group:
         return _WORLD_MESH[1]  # one mesh per default group: every parameter of a model shares it
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    world = dist.get_world_size()
-    mesh = DeviceMesh(device, torch.arange(world, dtype=torch.int), ("dp",), [world_group], (dist.get_rank(),))
+    mesh = DeviceMesh.from_group(world_group, device, mesh_dim_names=("dp",))
     _WORLD_MESH[:] = [world_group, mesh]
     return mesh
 
@@ -141,18 +151,25 @@ def _managed(module: nn.Module, prefix: str = "", ignored: frozenset[int] = froz
             yield from _managed(child, f"{prefix}{cname}.", ignored)
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+                ignored_params: set[nn.Parameter] | None = None) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters along dim 0 over the data axis of ``mesh``.
 
     Args:
-        module: apply to each block first, then to the root. Tensor parallelism, if
-            any, must already be applied (``parallelize_module``).
-        mesh: 1-D (``mesh["dp"]``: FSDP) or 2-D (``mesh["replicate", "shard"]``: HSDP,
-            sharded within a replica group, gradients all-reduced across replicas).
-            Default: the whole world as one data axis.
+        module: apply to each block first, then to the root. A list of modules is one
+            group (one all-gather), as in torch: e.g. ``fully_shard([model.norm,
+            model.output])``. Tensor parallelism, if any, must already be applied, by
+            fsdp2d's ``parallelize_module`` or by anyone's (torch's ``parallelize_module``,
+            ``distribute_tensor``, torchtitan, transformers): a parameter that is a DTensor
+            on a TP mesh is re-chunked along the data axis from its placements (TP-major,
+            uneven sizes included), and its module's forward still sees a DTensor on the
+            TP mesh, as its TP hooks expect.
+        mesh: a torch ``DeviceMesh``, 1-D (``mesh["dp"]``: FSDP) or 2-D
+            (``mesh["replicate", "shard"]``: HSDP, sharded within a replica group,
+            gradients all-reduced across replicas), a slice of the same mesh as the TP
+            mesh. Default: the whole world as one data axis.
         reshard_after_forward: free the unsharded parameters after forward and
             all-gather again in backward (less memory, one more all-gather per group).
             The root keeps them (they are needed first in backward).
@@ -161,7 +178,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
         ignored_params: parameters to leave alone (as torch): not sharded, not moved,
             their gradients not reduced across ranks.
 
-    Returns ``module``, now also an :class:`FSDPModule`.
+    Returns ``module``, now also an :class:`FSDPModule` (each module of a list).
 
     Example::
 
@@ -170,61 +187,125 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
         fully_shard(model, mesh=mesh["dp"])
         optim = torch.optim.AdamW(model.parameters())  # after fully_shard
 
-    Raises: ValueError for a module already fully sharded, a mesh that includes the
-    TP axis or has more than 2 axes, and mixed parameter dtypes without ``param_dtype``.
+    Raises: ValueError for a module already fully sharded, a ``ModuleList``/``ModuleDict``
+    (no forward to hook, as torch), a mesh that includes the TP axis or has more than 2
+    axes, parameters on two different TP meshes, a TP placement fsdp2d cannot re-chunk
+    (``Partial``, a ``_StridedShard`` that is not TP-major), and mixed parameter dtypes
+    without ``param_dtype``; TypeError for a mesh that is not a torch ``DeviceMesh``.
     """
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    for m in modules:
+        _check_shardable(m)
     mesh = mesh if mesh is not None else _world_mesh()
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard needs a 1-D (shard) or 2-D (replicate, shard) fsdp2d mesh, got {mesh!r}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard got a {type(mesh).__module__}.{type(mesh).__name__} as mesh; pass a torch "
+                        f"DeviceMesh (fsdp2d.init_device_mesh or torch's), e.g. mesh['dp']")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard needs a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh!r}")
     if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type == "cpu":
         warnings.warn("CPUOffloadPolicy on a CPU mesh: shards already live on the CPU; nothing to offload",
                       stacklevel=2)
     ignored = frozenset(id(p) for p in ignored_params or ())
-    params = _fsdp_params_of(module, mesh, ignored)
+    params = _fsdp_params_of(modules, mesh, ignored)
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
+    name = "+".join(type(m).__name__ for m in modules)
     group = FSDPParamGroup(params, mesh.get_group(mesh.ndim - 1), replicate, mp_policy, offload_policy,
-                           type(module).__name__) if params else None
+                           name) if params else None
     if group is not None:
         group.reshard_after_forward = reshard_after_forward
-    state = FSDPState(module, group, mp_policy)
-    module.__dict__["_fsdp2d_fsdp"] = state
+    state = FSDPState(modules, group, mp_policy)
     for p in params:
         p.module.__dict__.setdefault("_fsdp2d_fsdp_owner", state)
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward)
-    module.__class__ = _fsdp_class(type(module))
+    for m in modules:
+        m.__dict__["_fsdp2d_fsdp"] = state
+        m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+        m.register_forward_hook(state.post_forward)
+        m.__class__ = _fsdp_class(type(m))
     return module
 
 
-def _fsdp_params_of(module: nn.Module, mesh: DeviceMesh, ignored: frozenset[int] = frozenset()) -> list[FSDPParam]:
-    """FSDP state for each parameter of ``module`` not managed by an inner fully_shard,
-    with the process group of every axis of its 2D layout. A tensor held by several
-    modules (tied weights) is one FSDPParam that registers on all of them."""
+def _check_shardable(module: nn.Module) -> None:
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(f"fully_shard does not support containers that do not implement forward: "
+                         f"{type(module).__name__}; shard each of its modules (e.g. every block), or pass them "
+                         f"as one list, fully_shard(list(container))")
+
+
+def _tp_of(owner: nn.Module, name: str, fqn: str) -> tuple[TPParam | None, DTensorSpec | None]:
+    """A parameter's tensor-parallel layout and, for TP fsdp2d did not apply, the DTensor
+    spec its module computes with: fsdp2d's own record, or the placements of a DTensor
+    (torch's ``parallelize_module``, ``distribute_tensor``, torchtitan, transformers)."""
+    record = getattr(owner, "_fsdp2d_tp", {}).get(name)
+    if record is not None:
+        return record, None
+    param = owner._parameters[name]
+    if not isinstance(param, DTensor):
+        return None, None
+    where = f"fully_shard: parameter {fqn!r}"
+    if param.device_mesh.ndim != 1:
+        raise NotImplementedError(f"{where} is a DTensor on the {param.device_mesh.ndim}-D mesh {param.device_mesh}; "
+                                  f"fsdp2d re-chunks parameters tensor-parallel over one axis (a 1-D TP mesh)")
+    layout = layout_of_spec(param.device_mesh, param.placements, tuple(param.shape), where)
+    if any(p.is_partial() for p in layout.placements):
+        raise ValueError(f"{where} is a DTensor with placements {param.placements}: a Partial parameter holds "
+                         f"summands, not a shard FSDP can re-chunk; redistribute it to Replicate() first")
+    return TPParam(layout, param.device_mesh), param._spec
+
+
+def _fsdp_params_of(modules: list[nn.Module], mesh: DeviceMesh, ignored: frozenset[int] = frozenset()
+                    ) -> list[FSDPParam]:
+    """FSDP state for each parameter of ``modules`` not managed by an inner fully_shard,
+    on one TP-first mesh. A tensor held by several modules (tied weights) is one FSDPParam
+    that registers on all of them."""
+    found = [(unit, fqn, owner, name) for unit in modules for fqn, owner, name in _managed(unit, "", ignored)]
+    tps = [_tp_of(owner, name, fqn) for unit, fqn, owner, name in found]
+    tp_mesh = _tp_mesh(modules, mesh, [(f[1], tp) for f, (tp, _) in zip(found, tps) if tp is not None])
     params: list[FSDPParam] = []
     by_id: dict[int, FSDPParam] = {}
-    for fqn, info in tp_params(module):
-        clash = sorted(set(info.mesh.mesh_dim_names) & set(mesh.mesh_dim_names))
-        if clash:
-            raise ValueError(
-                f"fully_shard: mesh axis {clash[0]!r} is the tensor-parallel axis of parameter {fqn!r}; "
-                f"shard over the data axis only, e.g. fully_shard(module, mesh=mesh['dp'])"
-            )
-    used = {info.mesh.mesh_dim_names[0] for _, info in tp_params(module)}
-    tp_axes = tuple(a for a in mesh.root.mesh_dim_names if a in used)  # root order
-    for fqn, owner, name in _managed(module, "", ignored):
+    for (unit, fqn, owner, name), (tp, tp_spec) in zip(found, tps):
         current = owner._parameters[name]
         if id(current) in by_id:  # tied: the same tensor again
             by_id[id(current)].aliases.append((owner, name))
             continue
-        tp = getattr(owner, "_fsdp2d_tp", {}).get(name)
-        param = FSDPParam(owner, name, fqn, tp, mesh, tp_axes)
-        param.axis_groups = {n: mesh.root.get_group(n) for n in param.layout.axis_names}
+        param = FSDPParam(owner, name, fqn, tp, mesh, tp_mesh, tp_spec)
+        param.unit = unit
         by_id[id(current)] = param
         params.append(param)
-    _check_ties_outside(module, by_id)
+    for unit in modules:
+        _check_ties_outside(unit, by_id)
     return params
+
+
+def _tp_mesh(modules: list[nn.Module], mesh: DeviceMesh, tps: list[tuple[str, TPParam]]) -> DeviceMesh | None:
+    """The one TP mesh of the tensor-parallel parameters under ``modules`` (those this
+    group shards, fsdp2d's records, and inner groups'), checked against the FSDP mesh."""
+    found: dict[DeviceMesh, str] = {}
+    for fqn, tp in tps:
+        found.setdefault(tp.mesh, fqn)
+    for unit in modules:
+        for fqn, info in tp_params(unit):
+            found.setdefault(info.mesh, fqn)
+        for inner in unit.modules():
+            state = getattr(inner, "_fsdp2d_fsdp", None)
+            for p in (state.group.params if state is not None and state.group is not None else ()):
+                if p.tp is not None:
+                    found.setdefault(p.tp.mesh, p.fqn)
+    if len(found) > 1:
+        (m1, f1), (m2, f2) = list(found.items())[:2]
+        raise ValueError(f"fully_shard: parameters {f1!r} and {f2!r} are tensor-parallel on two meshes ({m1} and "
+                         f"{m2}); fsdp2d shards one model over one TP mesh")
+    if not found:
+        return None
+    tp_mesh, fqn = next(iter(found.items()))
+    clash = sorted(set(axis_names(tp_mesh)) & set(axis_names(mesh)))
+    if clash or tp_mesh == mesh:
+        raise ValueError(
+            f"fully_shard: mesh axis {(clash or axis_names(mesh))[0]!r} is the tensor-parallel axis of parameter "
+            f"{fqn!r}; shard over the data axis only, e.g. fully_shard(module, mesh=mesh['dp'])")
+    joined([tp_mesh, mesh])  # raises, naming both, unless they are slices of one mesh
+    return tp_mesh
 
 
 def _check_ties_outside(module: nn.Module, by_id: dict[int, FSDPParam]) -> None:
@@ -251,10 +332,11 @@ def fsdp_params(model: nn.Module) -> Iterator[tuple[str, FSDPParam]]:
     the object the module and an optimizer built from ``model.parameters()`` hold."""
     for prefix, m in model.named_modules():
         state = getattr(m, "_fsdp2d_fsdp", None)
-        if state is not None and state.module is m and state.group is not None:
+        if state is not None and state.group is not None and any(u is m for u in state.modules):
             state.group.sync_params()
             for p in state.group.params:
-                yield (f"{prefix}.{p.fqn}" if prefix else p.fqn), p
+                if p.unit is m:  # fqns are relative to the module of a fully_shard list they came from
+                    yield (f"{prefix}.{p.fqn}" if prefix else p.fqn), p
 
 
 @contextlib.contextmanager
@@ -265,8 +347,8 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
     again. TP-sharded parameters stay TP-local (``fsdp2d.gather_full`` gives the global
     tensor). Do not run forward or backward inside. Collective over the data axis.
     """
-    groups = [m._fsdp2d_fsdp.group for m in module.modules()
-              if isinstance(m, FSDPModule) and m._fsdp2d_fsdp.group is not None]
+    groups = list({id(g): g for g in (m._fsdp2d_fsdp.group for m in module.modules() if isinstance(m, FSDPModule))
+                   if g is not None}.values())  # one group may serve a list of modules
     for g in groups:
         g.sync_params()
         g.reshard()

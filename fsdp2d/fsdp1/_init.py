@@ -163,7 +163,7 @@ def flat_param(group, mesh, what: str) -> nn.Parameter:
                          f"({frozen}) do not; one flat parameter cannot mix them (as with torch). Pass "
                          f"use_orig_params=True or wrap the frozen ones in their own unit")
     flat = next(iter(group.flats.values()))
-    tmesh = mesh.torch_mesh(mesh.mesh_dim_names)
+    tmesh = mesh
     placements = (TReplicate(), TShard(0)) if mesh.ndim == 2 else (TShard(0),)
     shape = torch.Size([group.k * group.total])
     spec = DTensorSpec(tmesh, placements, TensorMeta(shape, (1,), flat.dtype))

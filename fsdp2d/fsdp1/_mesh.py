@@ -4,7 +4,7 @@ FSDP1 names its data-parallel ranks by ``process_group`` (one group; for the hyb
 strategies a ``(intra_node, inter_node)`` pair), by ``device_mesh`` (1-D; 2-D
 ``(replicate, shard)`` for hybrid), or by neither (the whole world; hybrid: shard
 within a node of ``LOCAL_WORLD_SIZE`` ranks). Each becomes an fsdp2d
-:class:`~fsdp2d.DeviceMesh` over the same process groups, built once and cached, so
+ torch ``DeviceMesh`` over the same process groups, built once and cached, so
 every unit of a model shares one mesh (its parameters then share one torch mesh, which
 DTensor ops require). ``NO_SHARD`` is HSDP with a shard axis of one rank.
 """
@@ -36,8 +36,7 @@ def _device_type() -> str:
 
 
 def _from_group(pg: dist.ProcessGroup) -> DeviceMesh:
-    ranks = dist.get_process_group_ranks(pg)
-    return DeviceMesh(_device_type(), torch.tensor(ranks, dtype=torch.int), ("dp",), [pg], (pg.rank(),))
+    return DeviceMesh.from_group(pg, _device_type(), mesh_dim_names=("dp",))
 
 
 def _from_groups(replicate: dist.ProcessGroup, shard: dist.ProcessGroup) -> DeviceMesh:
@@ -45,14 +44,8 @@ def _from_groups(replicate: dist.ProcessGroup, shard: dist.ProcessGroup) -> Devi
     shard ranks) is gathered once over the replicate group."""
     lines: list = [None] * replicate.size()
     dist.all_gather_object(lines, dist.get_process_group_ranks(shard), group=replicate)
-    return DeviceMesh(_device_type(), torch.tensor(lines, dtype=torch.int), ("replicate", "shard"),
-                      [replicate, shard], (replicate.rank(), shard.rank()))
-
-
-def _from_torch_mesh(tm) -> DeviceMesh:
-    names = tm.mesh_dim_names or (("dp",) if tm.ndim == 1 else ("replicate", "shard")[-tm.ndim:])
-    return DeviceMesh(tm.device_type, tm.mesh.to(torch.int), tuple(names),
-                      [tm.get_group(i) for i in range(tm.ndim)], tuple(tm.get_coordinate()))
+    return DeviceMesh.from_group([replicate, shard], _device_type(), mesh=torch.tensor(lines, dtype=torch.int),
+                                 mesh_dim_names=("replicate", "shard"))
 
 
 def _singleton_group() -> dist.ProcessGroup:
@@ -63,8 +56,8 @@ def _singleton_group() -> dist.ProcessGroup:
 def _no_shard(mesh: DeviceMesh) -> DeviceMesh:
     """``mesh`` (1-D) as (replicate = its ranks, shard = this rank alone)."""
     single = _cached(("singleton",), _singleton_group)
-    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, 1), ("replicate", "shard"),
-                      [mesh.get_group(0), single], (mesh.get_coordinate()[0], 0))
+    return DeviceMesh.from_group([mesh.get_group(0), single], mesh.device_type, mesh=mesh.mesh.reshape(-1, 1),
+                                 mesh_dim_names=("replicate", "shard"))
 
 
 def mesh_for(strategy: ShardingStrategy, process_group, device_mesh, has_tp: bool) -> DeviceMesh:
@@ -74,8 +67,10 @@ def mesh_for(strategy: ShardingStrategy, process_group, device_mesh, has_tp: boo
         raise ValueError("FullyShardedDataParallel: pass process_group or device_mesh, not both")
     hybrid = strategy in HYBRID
     if device_mesh is not None:
-        mesh = device_mesh if isinstance(device_mesh, DeviceMesh) else \
-            _cached((device_mesh,), lambda: _from_torch_mesh(device_mesh))
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(f"FullyShardedDataParallel: device_mesh must be a torch DeviceMesh, got "
+                            f"{type(device_mesh).__name__}")
+        mesh = device_mesh
         want = 2 if hybrid else 1
         if mesh.ndim != want:
             raise ValueError(

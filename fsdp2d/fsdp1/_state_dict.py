@@ -47,6 +47,7 @@ from .._dtensor import as_dtensor, layout_of, local_of
 from .._dtensor import spec_of
 from ..bridge import gather_full
 from ..bridge.extensions import gather_axes
+from ..mesh import axis_names
 from ..placement import Shard, chunk_range
 
 PREFIX = "_fsdp_wrapped_module."
@@ -196,8 +197,8 @@ def gather_data_axes(p, local: torch.Tensor) -> torch.Tensor:
     """Parameter ``p``'s shard gathered over the data axes: its TP-local piece (the
     bridge's ``gather_axes``, which ``DTensorExtensions.all_gather_dtensor`` uses too)."""
     layout = p.layout
-    axes = [n for n in p.mesh.mesh_dim_names if isinstance(layout.placements[layout.axis(n)], Shard)]
-    return gather_axes(local, layout, p.mesh.root, axes)[0] if axes else local
+    axes = [n for n in axis_names(p.mesh) if isinstance(layout.placements[layout.axis(n)], Shard)]
+    return gather_axes(local, layout, p.spec_mesh, axes)[0] if axes else local
 
 
 def _tp_local(p, local: torch.Tensor) -> DTensor:

@@ -40,10 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2d
 from fsdp2d._dtensor import local_of
+from fsdp2d.debug import init_fake_world
+from fsdp2d.mesh import axis_size
 from fsdp2d.train.config import JobConfig
 from fsdp2d.train.trainer import parallelize_model
 
@@ -208,7 +209,7 @@ def axis_groups(mesh: fsdp2d.DeviceMesh) -> dict[str, str]:
     """Process-group name -> mesh axis name; the whole world (e.g. the gradient-norm
     all-reduce) is ``world`` unless one axis spans it."""
     out = {dist.group.WORLD.group_name: "world"}
-    out.update({mesh.get_group(n).group_name: n for n in mesh.mesh_dim_names if mesh.size(n) > 1})
+    out.update({mesh.get_group(n).group_name: n for n in mesh.mesh_dim_names if axis_size(mesh, n) > 1})
     return out
 
 
@@ -230,7 +231,7 @@ def warm_up(model: torch.nn.Module, opt: "torch.optim.Optimizer | ShardOptimizer
 def dry_run(cfg: JobConfig, world: int, rank: int, *, shard_optimizer: bool = True) -> dict:
     """Figures of rank ``rank``'s step in a job of ``world`` ranks (see module doc);
     ``shard_optimizer=False`` steps AdamW through DTensor instead (the checks compare)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    init_fake_world(rank, world)
     try:
         cpu = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, device="cpu"))
         mesh = fsdp2d.init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names)

@@ -18,9 +18,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _collectives as C
-from .._dtensor import _torch_placement
 from ..mesh import DeviceMesh
-from ..placement import Partial, Placement, Replicate, Shard
+from ..placement import Partial, Placement, Replicate, Shard, check_placement
 from . import _functions as T
 
 __all__ = ["redistribute", "local_input", "as_output"]
@@ -62,16 +61,14 @@ def redistribute(x: Any, src: Placement | None, dst: Placement | None, group: C.
         return T.reduce_from_tp(x, group=group)
     if isinstance(src, Partial) and isinstance(dst, Shard):
         return T.reduce_scatter_to_tp(x, dim(dst), group=group)
-    raise NotImplementedError(f"redistributing an activation from {src} to {dst} is not supported")
+    raise NotImplementedError(f"redistributing an activation from {src!r} to {dst!r} is not supported")
 
 
 def _placement_of(dt: DTensor, where: str) -> Placement:
-    from ..bridge.extensions import _from_torch_placement
-
     if dt.device_mesh.ndim != 1:
         raise ValueError(f"{where}: got a DTensor on the {dt.device_mesh.ndim}-D mesh {dt.device_mesh}; "
                          f"activations between TP styles live on the 1-D TP mesh")
-    return _from_torch_placement(dt.placements[0])
+    return check_placement(dt.placements[0], f"{where}: input DTensor placement")
 
 
 def _version(x: torch.Tensor) -> int:
@@ -110,5 +107,5 @@ def as_output(y: Any, placement: Placement, mesh: DeviceMesh, use_local_output: 
         shape[d] = features if d == y.ndim - 1 and features is not None else shape[d] * mesh.size()
     shape = torch.Size(shape)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(y, mesh.to_torch(), (_torch_placement(placement),), run_check=False,
+    return DTensor.from_local(y, mesh, (placement,), run_check=False,
                               shape=shape, stride=stride)

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from .. import _collectives as C
 from .._dtensor import as_dtensor, install_load_hook, spec_of
 from .._stale import mark_replaced
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, axis_names, coordinate
 from ..placement import Layout, Placement
 
 
@@ -65,8 +65,7 @@ def shard_parameter(module: nn.Module, name: str, placement: Placement, mesh: De
     if isinstance(param, DTensor):
         raise ValueError(f"parameter {name!r} of {type(module).__name__} is already a DTensor; "
                          f"apply parallelize_module once, to plain parameters")
-    layout = Layout(tuple(param.shape), (mesh.size(),), mesh.mesh_dim_names, (placement,),
-                    mesh.get_coordinate())
+    layout = Layout(tuple(param.shape), (mesh.size(),), axis_names(mesh), (placement,), coordinate(mesh))
     ties = TIES.get()
     new = ties.get(id(param)) if ties is not None else None
     if new is None:

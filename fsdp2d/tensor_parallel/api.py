@@ -16,7 +16,7 @@ from typing import Mapping
 
 from torch import nn
 
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, axis_names
 from ._params import TIES
 from .style import ParallelStyle
 
@@ -74,8 +74,9 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
             (torch's default, 0); ``None`` slices each rank's own values without
             communicating.
 
-    Returns ``module``, changed in place: each planned parameter is now a plain
-    ``nn.Parameter`` holding this rank's shard (see :func:`tp_params` for layouts).
+    Returns ``module``, changed in place: each planned parameter is now an
+    ``nn.Parameter`` wrapping a DTensor on ``device_mesh`` whose local tensor is this
+    rank's shard (see :func:`tp_params` for layouts).
 
     Example::
 
@@ -89,14 +90,15 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     module was already passed to ``fully_shard`` (wrong order).
     """
     if device_mesh is None:
-        raise ValueError("parallelize_module needs device_mesh: an fsdp2d 1-D mesh such as mesh['tp']")
+        raise ValueError("parallelize_module needs device_mesh: a 1-D torch DeviceMesh such as mesh['tp']")
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"parallelize_module got a {type(device_mesh).__module__}.{type(device_mesh).__name__} "
-                        f"as device_mesh; build an fsdp2d mesh with fsdp2d.init_device_mesh and pass mesh['tp']")
+                        f"as device_mesh; pass a torch DeviceMesh (fsdp2d.init_device_mesh or torch's), e.g. "
+                        f"mesh['tp']")
     if device_mesh.ndim != 1:
         raise ValueError(
-            f"parallelize_module needs a 1-D mesh, got axes {device_mesh.mesh_dim_names}; "
-            f"pass the TP sub-mesh, e.g. mesh[{device_mesh.mesh_dim_names[-1]!r}]"
+            f"parallelize_module needs a 1-D mesh, got axes {axis_names(device_mesh)}; "
+            f"pass the TP sub-mesh, e.g. mesh[{axis_names(device_mesh)[-1]!r}]"
         )
     if parallelize_plan is None:
         return module
@@ -147,7 +149,7 @@ def _check_ties(module: nn.Module, targets: list[tuple[str, nn.Module, ParallelS
             if first[1] != placement:
                 raise ValueError(
                     f"parallelize_module: {where} is the same tensor as {first[0]} (tied weights) but the plan "
-                    f"shards them as {placement} and {first[1]}; give both modules styles that shard the "
+                    f"shards them as {placement!r} and {first[1]!r}; give both modules styles that shard the "
                     f"tensor the same way (e.g. RowwiseParallel embedding + ColwiseParallel head: Shard(0)), "
                     f"or untie them")
             holders.add((id(mod), name))

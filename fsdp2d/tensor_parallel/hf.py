@@ -76,7 +76,7 @@ class ColwiseConv1D(ParallelStyle):
         self.input_layout = _one(input_layouts, Replicate())
         self.output_layout = _one(output_layouts, Shard(-1))
         if not (isinstance(self.output_layout, Replicate) or self.output_layout == Shard(-1)):
-            raise ValueError(f"ColwiseConv1D output_layouts must be Shard(-1) or Replicate(), got {self.output_layout}")
+            raise ValueError(f"ColwiseConv1D output_layouts must be Shard(-1) or Replicate(), got {self.output_layout!r}")
         if fused > 1 and isinstance(self.output_layout, Replicate):
             raise ValueError("ColwiseConv1D(fused>1) keeps the output sharded: gathering would interleave the "
                              "blocks (q_0, k_0, v_0, q_1, ...); use output_layouts=Shard(-1)")

@@ -73,26 +73,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, group: C.Group,
-                                 vocab_size: int, ignore_index: int = -100,
-                                 reduction: str = "mean") -> torch.Tensor:
+                                 vocab_size: int, ignore_index: int = -100, reduction: str = "mean",
+                                 weight: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of (N, V/k) vocab-sharded ``logits`` against (N,) global ``target``.
 
-    Matches ``F.cross_entropy`` (mean over non-ignored targets, ``sum`` or ``none``).
+    Matches ``F.cross_entropy``: ``weight`` (V,) rescales each target class's loss (a
+    full tensor on every rank, or a DTensor, gathered), and ``mean`` divides by the sum
+    of the non-ignored targets' weights (their count without ``weight``); ``sum``, ``none``.
     """
     if logits.ndim != 2 or target.shape != logits.shape[:1]:
         raise ValueError(
             f"loss_parallel cross_entropy needs logits (N, V) with the vocab last and target (N,); "
             f"got {tuple(logits.shape)} and {tuple(target.shape)}. Flatten batch and sequence first"
         )
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     start, _ = chunk_range(vocab_size, C.group_size(group), C.group_rank(group))
-    loss = _VocabParallelCrossEntropy.apply(logits, target, group, start, ignore_index)
+    loss = _VocabParallelCrossEntropy.apply(logits, target, group, start, ignore_index)  # (N,), 0 where ignored
+    valid = target != ignore_index
+    if weight is not None:
+        weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        if tuple(weight.shape) != (vocab_size,):
+            raise ValueError(f"loss_parallel cross_entropy: weight must have one entry per class ({vocab_size},), "
+                             f"got {tuple(weight.shape)}")
+        # a gather, not boolean indexing: no data-dependent shape, so no host sync
+        per_row = weight.gather(0, torch.where(valid, target, 0)) * valid  # (N,)
+        loss = loss * per_row
+    else:
+        per_row = valid
     if reduction == "none":
         return loss
     if reduction == "sum":
         return loss.sum()
-    if reduction == "mean":
-        return loss.sum() / (target != ignore_index).sum()
-    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    return loss.sum() / per_row.sum()
 
 
 class _LossParallelMode(TorchFunctionMode):
@@ -126,14 +139,14 @@ def _tagged_local(logits: DTensor) -> torch.Tensor:
 
 def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
-    unsupported = {"weight": weight is not None, "size_average": size_average is not None,
-                   "reduce": reduce is not None, "label_smoothing": label_smoothing != 0.0}
+    unsupported = {"size_average": size_average is not None, "reduce": reduce is not None,
+                   "label_smoothing": label_smoothing != 0.0}
     for name, given in unsupported.items():
         if given:
             raise NotImplementedError(f"loss_parallel cross_entropy does not support the {name} argument")
     group, vocab_size = input._fsdp2d_vocab
     return vocab_parallel_cross_entropy(input, target, group=group, vocab_size=vocab_size,
-                                        ignore_index=ignore_index, reduction=reduction)
+                                        ignore_index=ignore_index, reduction=reduction, weight=weight)
 
 
 @contextlib.contextmanager

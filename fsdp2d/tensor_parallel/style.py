@@ -93,7 +93,7 @@ class ColwiseParallel(ParallelStyle):
         self.output_layout = _one(output_layouts, Shard(-1))
         if isinstance(self.output_layout, Partial):
             raise ValueError(f"ColwiseParallel output_layouts must be Shard(d) or Replicate(), got "
-                             f"{self.output_layout}: column-wise outputs are complete, never partial sums")
+                             f"{self.output_layout!r}: column-wise outputs are complete, never partial sums")
         self.use_local_output = use_local_output
 
     def validate(self, module: nn.Module, fqn: str) -> None:

@@ -37,6 +37,7 @@ import fsdp2d
 from fsdp2d import checkpoint as ckpt
 from fsdp2d.checkpoint import export_hf
 from fsdp2d.models import GPT2, Llama, gpt2_tp_plan, llama_tp_plan, load_hf_into
+from fsdp2d.mesh import axis_size
 from fsdp2d.models.hf import model_spec
 
 from . import preflight
@@ -146,7 +147,7 @@ class Trainer:
         dp_rank = 0
         for name in self.mesh.mesh_dim_names:
             if name != "tp":
-                dp_rank = dp_rank * self.mesh.size(name) + self.mesh.get_local_rank(name)
+                dp_rank = dp_rank * axis_size(self.mesh, name) + self.mesh.get_local_rank(name)
         try:
             preflight.check_run_folder(cfg)
             data = build_data(cfg, dp_rank, cfg.dp_degree)

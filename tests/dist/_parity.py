@@ -71,7 +71,7 @@ def blocks(model: torch.nn.Module) -> list:
 
 def parallelize(model: torch.nn.Module, s: Setup):
     mesh = get_mesh(s.mesh, s.names)
-    tp_size = mesh.size("tp") if "tp" in s.names else 1
+    tp_size = mesh["tp"].size() if "tp" in s.names else 1
     if "tp" in s.names:
         fsdp2d.parallelize_module(model, mesh["tp"], plan_for(s.model, s))
     dp_names = tuple(n for n in s.names if n != "tp")
@@ -92,7 +92,7 @@ def data_rank(mesh, s: Setup) -> tuple[int, int]:
     dp_names = [n for n in s.names if n != "tp"]
     idx, count = 0, 1
     for n in dp_names:
-        idx, count = idx * mesh.size(n) + mesh.get_local_rank(n), count * mesh.size(n)
+        idx, count = idx * mesh[n].size() + mesh.get_local_rank(n), count * mesh[n].size()
     return idx, count
 
 

@@ -70,8 +70,8 @@ def _plan_errors():
         # non-style values
         "not_a_style": (tp, {**good, "layers.*.attention.wk": "colwise"}),
         "style_class": (tp, {**good, "layers.*.attention.wk": ColwiseParallel}),
-        # a torch mesh instead of an fsdp2d one
-        "torch_mesh": (tp.to_torch(), {**good}),
+        # a process group instead of a mesh
+        "not_a_mesh": (tp.get_group(), {**good}),
     }
     out = {}
     x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -283,11 +283,11 @@ def test_style_class_instead_of_instance_names_it(plan_errors):
         _check(err, "TypeError", "'layers.*.attention.wk'", "ColwiseParallel()")
 
 
-def test_torch_mesh_error_names_the_type(plan_errors):
+def test_not_a_mesh_error_names_the_type(plan_errors):
     for r in plan_errors:
-        err, untouched, _ = r["torch_mesh"]
+        err, untouched, _ = r["not_a_mesh"]
         assert untouched
-        _check(err, "TypeError", "torch.distributed", "fsdp2d.init_device_mesh")
+        _check(err, "TypeError", "ProcessGroup", "torch DeviceMesh")
 
 
 def test_parallelize_after_fully_shard_raises(order_errors):
@@ -315,9 +315,10 @@ def test_fully_shard_errors(order_errors):
 
 
 def test_unknown_mesh_axis_lists_axes(order_errors):
+    """Meshes are torch's: its KeyError names the axis and the valid ones."""
     for r in order_errors:
         for case in ("no_axis", "no_axis_pair"):
-            _check(r[case], "KeyError", "'nope'", "('dp', 'tp')")
+            _check(r[case], "KeyError", "'nope'", "'dp', 'tp'")
 
 
 def test_mixed_dtypes_need_param_dtype(order_errors):

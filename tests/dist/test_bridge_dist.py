@@ -41,13 +41,6 @@ def _full(shape, seed):
     return torch.randn(shape, generator=g)
 
 
-def _torch_placement(p):
-    from torch.distributed.tensor import Replicate as TReplicate
-    from torch.distributed.tensor import Shard as TShard
-
-    return TShard(p.dim) if isinstance(p, Shard) else TReplicate()
-
-
 # ---------------------------------------------------------------------------------------
 # independent references (driver side)
 # ---------------------------------------------------------------------------------------
@@ -94,7 +87,7 @@ def _extension_job(shape, names, cases):
     mesh = get_mesh(shape, names)
     tp_mesh = mesh["tp"]
     tp, tp_rank = tp_mesh.size(), tp_mesh.get_local_rank()
-    torch_tp = tp_mesh.to_torch()
+    torch_tp = tp_mesh  # fsdp2d meshes are torch's
     ext = DTensorExtensions()
     out = []
     for seed, (gshape, placement) in enumerate(cases):
@@ -113,7 +106,7 @@ def _extension_job(shape, names, cases):
         rec["gather_full"] = gather_full(chunked.tensor, chunked.layout, mesh)
         rec["pre_load"] = ext.pre_load_state_dict_transform(chunked)[1]
         if placement is not None:  # the same from a torch DTensor on the 1-D TP mesh
-            dt = distribute_tensor(full, torch_tp, [_torch_placement(placement)])
+            dt = distribute_tensor(full, torch_tp, [placement])
             local, extension = ext.pre_flatten_transform(dt)
             again = ext.post_unflatten_transform(local.clone(), extension)
             rec["dt_flat"] = (local, dt.to_local())

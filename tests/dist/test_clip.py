@@ -10,7 +10,7 @@ clipped gradients, gathered back to full tensors, must equal the reference's.
 Case (b), a model where only some layers are tensor-parallel, is the motivation for
 fsdp2d's own implementation: with torch's native path
 (``torch.distributed.tensor.parallel.parallelize_module`` on ``layers.0`` +
-``torch.distributed.fsdp.fully_shard`` on ``mesh.to_torch()["dp"]``), the gradients are
+``torch.distributed.fsdp.fully_shard`` on ``mesh["dp"]``), the gradients are
 DTensors on two different meshes (dp x tp for layers.0, dp for the rest) and
 ``torch.nn.utils.clip_grad_norm_`` fails with a cross-mesh error when it stacks the
 per-parameter norms ("All operands in aten.stack.default must have the same mesh, but
@@ -86,7 +86,7 @@ def _clip_job(case):
     idx, count = 0, 1
     if fsdp:
         for n in data_axes:
-            idx, count = idx * mesh.size(n) + mesh.get_local_rank(n), count * mesh.size(n)
+            idx, count = idx * mesh[n].size() + mesh.get_local_rank(n), count * mesh[n].size()
     x, y = P.batch_for(0, P.Setup(batch=8))
     xs, ys = x.chunk(count)[idx], y.chunk(count)[idx]
     out = {"n_tp": sum(1 for _ in fsdp2d.tp_params(model))}
@@ -151,7 +151,7 @@ def _torch_native_partial_tp():
 
     from . import _parity as P
 
-    mesh = get_mesh((2, 2), ("dp", "tp")).to_torch()
+    mesh = get_mesh((2, 2), ("dp", "tp"))
     model = P.build("llama")
     plan = {}
     for i in range(1):

@@ -87,7 +87,7 @@ def job_memory():
     local = sum(L(p).numel() for p in model.parameters())
     groups = [m._fsdp2d_fsdp.group for m in model.modules() if isinstance(m, fsdp2d.FSDPModule)]
     padding = sum(g.total for g in groups) - local
-    dp, tp = mesh.size("dp"), mesh.size("tp")
+    dp, tp = mesh["dp"].size(), mesh["tp"].size()
     ideal = (n_total - tp_replicated) / (dp * tp) + tp_replicated / dp
     return {"bytes": nbytes, "local": local, "ideal": ideal, "padding": padding,
             "n_total": n_total, "dp": dp, "tp": tp}

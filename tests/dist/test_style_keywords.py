@@ -229,3 +229,35 @@ def job_loss_parallel_dtensor_logits() -> dict:
 def test_loss_parallel_on_dtensor_logits(pool):
     for r in pool.run(job_loss_parallel_dtensor_logits):
         assert max(r.values()) < TOL, r
+
+
+def job_loss_parallel_weight() -> dict:
+    """``F.cross_entropy(..., weight=w, ignore_index=...)`` under ``loss_parallel()`` on
+    vocab-sharded logits (20 classes over tp=4, some targets ignored): every reduction
+    gives torch's value and head gradient (torch's own loss_parallel takes weight too)."""
+    import fsdp2d
+    import torch.nn.functional as F
+    from fsdp2d import ColwiseParallel, Shard, gather_full
+
+    torch.manual_seed(0)
+    out = {}
+    for reduction in ("mean", "sum", "none"):
+        head, x = nn.Linear(16, 20, bias=False), torch.randn(2, 8, 16)
+        y = torch.randint(0, 20, (2, 8))
+        y[0, :3] = -100
+        w = torch.rand(20) + 0.5
+        ref = copy.deepcopy(head)
+        fsdp2d.parallelize_module(head, get_mesh((4,), ("tp",)), ColwiseParallel(output_layouts=Shard(-1)))
+        ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten(), weight=w, reduction=reduction)
+        ref_loss.sum().backward()
+        with fsdp2d.loss_parallel():
+            loss = F.cross_entropy(head(x).flatten(0, 1), y.flatten(), weight=w, reduction=reduction)
+            loss.sum().backward()
+        out[reduction] = max(_rel(loss.detach(), ref_loss.detach()),
+                             _rel(gather_full(head.weight.grad), ref.weight.grad))
+    return out
+
+
+def test_loss_parallel_takes_class_weights(pool):
+    for r in pool.run(job_loss_parallel_weight):
+        assert max(r.values()) < TOL, r

@@ -141,7 +141,7 @@ def _torch_native(kind: str, mesh_key: str):
     from compare_torch import torch_plan
 
     shape, names = MESHES[mesh_key]
-    tmesh = get_mesh(shape, names).to_torch()
+    tmesh = get_mesh(shape, names)
     model = P.build(kind)
     parallelize_module(model, tmesh["tp"], torch_plan(kind))
     for block in P.blocks(model):

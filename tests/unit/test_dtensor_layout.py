@@ -17,13 +17,12 @@ from torch.distributed.tensor import Replicate as TReplicate, Shard as TShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp2d._dtensor import _torch_placement
 from fsdp2d.bridge._layout import fsdp_layout
 from fsdp2d.placement import Layout, Replicate, Shard
 
 
 def _torch_box(layout: Layout, coordinate) -> tuple:
-    placements = [_torch_placement(p) for p in layout.placements]
+    placements = list(layout.placements)  # fsdp2d's placements are torch's
     shape, offset = _compute_local_shape_and_global_offset(layout.global_shape, layout.mesh_shape,
                                                            list(coordinate), placements)
     return tuple(offset), tuple(shape)
@@ -70,4 +69,4 @@ def test_strided_shard_on_a_dp_tp_mesh_misreads_uneven_boxes():
     shape, _ = _compute_local_shape_and_global_offset((9, 3), (4, 2), [3, 0], placements)
     ours = fsdp_layout((9, 3), Layout((9, 3), (2,), ("tp",), (Shard(0),), (0,)), (4,), ("dp",), (3,))
     assert ours.local_shape == (0, 3) and shape[0] == 1
-    assert TReplicate() == _torch_placement(Replicate())
+    assert Replicate is TReplicate  # one vocabulary: fsdp2d.Replicate is torch's
