@@ -293,11 +293,37 @@ class StepTracker(TorchDispatchMode):
                 if entry[1] != size:
                     self.current += size - entry[1]
                     self._live[key] = (entry[0], size)
+            elif not self._absorb_overlaps(st):
+                return  # a storage slice over memory already counted (fsdp2d's shard aliases)
             else:
                 ref = weakref.ref(st, lambda _r, key=key: self._free(key, _r))
                 self._live[key] = (ref, size)
                 self.current += size
             self.peak = max(self.peak, self.current)
+
+    def _absorb_overlaps(self, st: torch.UntypedStorage) -> bool:
+        """Count memory once when storages alias it (fsdp2d's shards are storage slices
+        of one flat buffer, each its own storage object): False if ``st`` lies inside a
+        live tracked storage; otherwise the live storages inside ``st`` stop counting
+        (``st`` will count their bytes) and True."""
+        start = st.data_ptr()
+        end = start + st.nbytes()
+        if start == 0 or end == start:
+            return True
+        inside = []
+        for key, (ref, size) in self._live.items():
+            other = ref()
+            if other is None or other.nbytes() == 0:
+                continue
+            o_start = other.data_ptr()
+            if o_start <= start and end <= o_start + other.nbytes():
+                return False
+            if start <= o_start and o_start + other.nbytes() <= end:
+                inside.append((key, size))
+        for key, size in inside:
+            self.current -= size
+            del self._live[key]
+        return True
 
     def _free(self, key: int, ref: weakref.ref) -> None:
         with self._lock:

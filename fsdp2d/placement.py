@@ -187,6 +187,24 @@ class Layout:
         first axis in ``split_order``; gathering over ``axis`` restores this shape)."""
         return self._pieces[axis]
 
+    def splits_like(self, other: "Layout") -> bool:
+        """Whether ``other`` puts every rank's box where this layout does: equal but for
+        ``split_order`` outside what matters (the order of the axes that shard the same
+        tensor dim). A DTensor torch made (``zeros_like`` of a parameter) states its split
+        in mesh order, fsdp2d's own may list a ``Replicate`` axis elsewhere."""
+        return (self.global_shape, self.mesh_shape, self.axis_names, self.placements, self.coordinate) == \
+            (other.global_shape, other.mesh_shape, other.axis_names, other.placements, other.coordinate) and \
+            self._dim_orders() == other._dim_orders()
+
+    def _dim_orders(self) -> dict[int, list[int]]:
+        """For each sharded tensor dim, the mesh axes that split it, in split order."""
+        out: dict[int, list[int]] = {}
+        for axis in self.split_order:
+            p = self.placements[axis]
+            if isinstance(p, Shard) and self.mesh_shape[axis] > 1:
+                out.setdefault(p.dim, []).append(axis)
+        return out
+
     # -- other ranks -----------------------------------------------------------------
     def at(self, coordinate: Sequence[int]) -> "Layout":
         """The same layout seen from another mesh coordinate."""

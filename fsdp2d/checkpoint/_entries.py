@@ -133,7 +133,7 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
             for key, value in sorted(state.items()):
                 if not isinstance(value, torch.Tensor):
                     continue
-                if isinstance(value, DTensor) and lay is not None and layout_of(value) != lay:
+                if isinstance(value, DTensor) and lay is not None and not layout_of(value).splits_like(lay):
                     raise ValueError(f"optimizer state {key!r} of {fqn!r} is laid out as {value.placements}, its "
                                      f"parameter as {p.placements}; save cannot tell which box it holds")
                 if value.shape == p.shape and value.ndim > 0:  # DTensor state of a DTensor parameter

@@ -468,3 +468,16 @@ def test_box_intersect_brute_force(pair):
     t = torch.zeros([12] * len(a.global_offset), dtype=torch.int64)
     t[a.slices()] += 1
     assert {tuple(i) for i in t.nonzero().tolist()} == box_elements(a)
+
+
+def test_splits_like_ignores_order_of_axes_that_do_not_split():
+    """A ``Replicate`` axis's place in ``split_order`` moves no box (torch's ``zeros_like``
+    of an fsdp2d parameter states mesh order); the order of two axes that split the same
+    dim does, and so do placements."""
+    tp_first = Layout((16, 8), (2, 2, 2), ("tp", "rep", "dp"), (Shard(0), Replicate(), Shard(0)), (1, 0, 1), (0, 2, 1))
+    mesh_order = Layout((16, 8), (2, 2, 2), ("tp", "rep", "dp"), (Shard(0), Replicate(), Shard(0)), (1, 0, 1))
+    dp_first = Layout((16, 8), (2, 2, 2), ("tp", "rep", "dp"), (Shard(0), Replicate(), Shard(0)), (1, 0, 1), (2, 1, 0)).at((1, 0, 0))
+    assert tp_first.splits_like(mesh_order) and tp_first.box == mesh_order.box
+    assert not tp_first.at((1, 0, 0)).splits_like(dp_first) and tp_first.at((1, 0, 0)).box != dp_first.box
+    other = Layout((16, 8), (2, 2, 2), ("tp", "rep", "dp"), (Shard(0), Replicate(), Shard(1)), (1, 0, 1))
+    assert not mesh_order.splits_like(other)
