@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from .pool import WorkerPool
+from .pool import worker_pool
 
 WORLD_SIZE = 4
 _HERE = Path(__file__).parent
@@ -19,7 +19,6 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def pool():
-    """A WorkerPool of 4 gloo ranks, started once and restarted after failures."""
-    p = WorkerPool(WORLD_SIZE)
-    yield p
-    p.close()
+    """The WorkerPool of 4 gloo ranks that ``fsdp2d.testing.check_parallel`` uses too,
+    started once and restarted after failures."""
+    return worker_pool(WORLD_SIZE)
