@@ -159,3 +159,29 @@ def _reinit(model: torch.nn.Module) -> torch.nn.Module:
         for p in model.parameters():
             p.normal_(0, 0.02)
     return model
+
+
+def accumulate() -> dict:
+    """Two micro-batches per step under ``fabric.no_backward_sync`` (skip the sync on the
+    first), against one process on the whole batch; reduce-scatters counted per step."""
+    import fsdp2d
+    from fsdp2d.debug import CollectiveCounter
+
+    torch.set_num_threads(1)
+    fabric = _fabric(full_state_dict=False)
+    model = P.build("llama")
+    ref = copy.deepcopy(model)
+    model = fabric.setup(model)
+    dp_group = fabric.strategy.device_mesh["data_parallel"].get_group()
+    part = _part(fabric.strategy.distributed_sampler_kwargs)
+    x, y = P.batch_for(0, P.Setup(batch=8))
+    xs, ys = x[part], y[part]
+    with CollectiveCounter() as counter:
+        for m, rows in enumerate((slice(0, 2), slice(2, 4))):
+            with fabric.no_backward_sync(model, enabled=m == 0):
+                fabric.backward(F.cross_entropy(model(xs[rows]).flatten(0, 1), ys[rows].flatten()) / 2)
+    F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+    grads = _full(model, "grad")
+    return {"grad_err": max((grads[n] - q.grad).abs().max().item() for n, q in ref.named_parameters()),
+            "reduce_scatters": counter.count(dp_group, "reduce_scatter"),
+            "groups": sum(isinstance(mod, fsdp2d.FSDPModule) for mod in model.modules())}
