@@ -42,7 +42,10 @@ import torch
 from . import _parity as P
 
 DP, TP, STEPS, LR = 2, 2, 5, 1e-2
-BATCH, SEQ, VOCAB = 8, 16, 128
+BATCH, SEQ = 8, 16
+# (vocab, ffn hidden): even, and uneven (vocab 97 rows split 49/48 over tp, then 25/24 and
+# 24/24 over dp; hidden 90: 45 per tp rank, 23/22 per dp rank).
+SHAPES = {"even": (128, 176), "uneven": (97, 90)}
 _DIMS: dict = {}
 
 
@@ -89,27 +92,28 @@ def _configs():
     return parallelism, training, CompileConfig()
 
 
-def _model(parallelism) -> torch.nn.Module:
+def _model(parallelism, shape: str) -> torch.nn.Module:
     """A small torchtitan Llama3 (2 layers, GQA 4/2 heads, dim 64) with causal SDPA."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     dim, n_heads = 64, 4
+    vocab, hidden = SHAPES[shape]
     layers = _build_llama3_layers(
         n_layers=2, dim=dim, n_heads=n_heads, n_kv_heads=2,
-        hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=16),
+        hidden_dim=hidden,
         rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=SEQ, theta=500000, scaling="llama"),
         attn_backend="flex")
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     cfg = Llama3Model.Config(
-        dim=dim, vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim,
+        dim=dim, vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
                                         param_init={"weight": torch.nn.init.normal_}),
         norm=RMSNorm.Config(normalized_shape=dim, param_init={"weight": torch.nn.init.ones_}),
-        lm_head=Linear.Config(in_features=dim, out_features=VOCAB,
+        lm_head=Linear.Config(in_features=dim, out_features=vocab,
                               param_init={"weight": torch.nn.init.xavier_normal_}),
         layers=layers)
     # What cfg.update_from_config does for a trainer config, minus the import of torchtitan's
@@ -139,7 +143,7 @@ def _fsdp2d_names():
             setattr(ttf, n, v)
 
 
-def train(impl: str) -> dict:
+def train(impl: str, shape: str) -> dict:
     """parallelize_llama with ``impl``'s fully_shard (torch or fsdp2d), STEPS AdamW steps."""
     from torch.distributed.tensor import DTensor
 
@@ -148,7 +152,7 @@ def train(impl: str) -> dict:
     from torchtitan.models.llama3 import parallelize_llama
 
     parallelism, training, compile_config = _configs()
-    model = _model(parallelism)
+    model = _model(parallelism, shape)
     with _fsdp2d_names() if impl == "fsdp2d" else contextlib.nullcontext():
         import torchtitan.distributed.fsdp as ttf
 
@@ -158,7 +162,7 @@ def train(impl: str) -> dict:
     for m in fsdp_modules:
         m.set_force_sum_reduction_for_comms(True)
     batch_mesh = pd.get_mesh("batch")
-    losses = _steps(model, batch_mesh.get_local_rank(), batch_mesh.size(), batch_mesh.get_group())
+    losses = _steps(model, SHAPES[shape][0], batch_mesh.get_local_rank(), batch_mesh.size(), batch_mesh.get_group())
     with torch.no_grad():
         params = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
                   for name, p in model.named_parameters()}
@@ -170,16 +174,16 @@ def train(impl: str) -> dict:
     return out
 
 
-def reference() -> dict:
+def reference(shape: str) -> dict:
     """The same model (same seed) in one process on the whole batch: no parallelism."""
     torch.set_num_threads(1)
     parallelism, _, _ = _configs()
-    model = _model(parallelism)
-    losses = _steps(model, 0, 1, None)
+    model = _model(parallelism, shape)
+    losses = _steps(model, SHAPES[shape][0], 0, 1, None)
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _steps(model: torch.nn.Module, rank: int, n: int, group) -> list[float]:
+def _steps(model: torch.nn.Module, vocab: int, rank: int, n: int, group) -> list[float]:
     """STEPS AdamW steps on this data rank's rows of each global batch; the global losses."""
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -189,7 +193,7 @@ def _steps(model: torch.nn.Module, rank: int, n: int, group) -> list[float]:
     losses = []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 + step)
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)  # (B, T + 1)
+        tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)  # (B, T + 1)
         x, y = tokens[:, :-1].chunk(n)[rank], tokens[:, 1:].chunk(n)[rank]
         logits = model(x)  # (B / n, T, V)
         if isinstance(logits, DTensor):

@@ -10,8 +10,9 @@ workarounds, the same on both sides.
 Tolerances (fp32): losses within 1e-6 relative (a mean over 8x16 tokens summed in another
 order: a few ulps); parameters within 1e-5 absolute after 5 steps (AdamW eps=1e-6 bounds
 the amplification of near-zero gradient elements, tests/dist/_parity.py: EPS). Measured:
-fsdp2d's losses and final parameters equal torch's bit for bit; against one process,
-losses within 4.8e-7 (of ~5) and parameters within 2.6e-6. Switching ``fully_shard`` alone,
+fsdp2d's losses and final parameters equal torch's bit for bit, even and uneven shapes
+(tests/dist/_torchtitan.py: SHAPES); against one process, losses within 9.5e-7 (of ~5) and
+parameters within 2.6e-6. Switching ``fully_shard`` alone,
 not ``FSDPModule``, would leave torchtitan's ``disable_fsdp_gradient_division`` (an
 ``isinstance`` on torch's class) skipping fsdp2d's modules: gradients averaged instead of
 summed, parameters off by 1.8e-2, which this test catches.
@@ -53,10 +54,11 @@ def _missing() -> str | None:
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 
-def test_torchtitan_parallelize_llama_with_fsdp2d_fully_shard_equals_torch(pool):
-    theirs = pool.run(T.train, "torch", timeout=300)
-    ours = pool.run(T.train, "fsdp2d", timeout=300)
-    ref = pool.run(T.reference, timeout=300)[0]
+@pytest.mark.parametrize("shape", list(T.SHAPES))
+def test_torchtitan_parallelize_llama_with_fsdp2d_fully_shard_equals_torch(pool, shape):
+    theirs = pool.run(T.train, "torch", shape, timeout=300)
+    ours = pool.run(T.train, "fsdp2d", shape, timeout=300)
+    ref = pool.run(T.reference, shape, timeout=300)[0]
     # torchtitan's grouping: tok_embeddings, [norm, lm_head] as one group, each block, the root.
     groups = ["FSDPEmbedding", "FSDPLinear", "FSDPLlama3Model", "FSDPLlama3TransformerBlock",
               "FSDPLlama3TransformerBlock", "FSDPRMSNorm"]
