@@ -52,6 +52,7 @@ class FSDPParamGroup:
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.k = C.group_size(shard_group)
         self.dp_size = self.k * C.group_size(replicate_group)
+        self.divide_factor = float(self.dp_size)  # set_gradient_divide_factor: 1.0 sums gradients
         offset = 0
         for p in params:
             p.offset, offset = offset, offset + p.segment_numel
@@ -344,7 +345,7 @@ class FSDPParamGroup:
         if not assign:
             return
         out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
-        out = out.div_(self.dp_size)
+        out = out.div_(self.divide_factor)  # the flag columns stay positive where some rank had one
         # Where this rank had every trainable gradient, every trainable parameter gets one:
         # no need to read the flags (no host sync in a normal step, frozen parameters or
         # not). Otherwise the flags say which parameters some rank had a gradient for (all

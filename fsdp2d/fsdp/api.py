@@ -81,6 +81,24 @@ class FSDPModule:
             if s.group is not None:
                 s.group.requires_sync = requires_gradient_sync
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's reduced gradients by ``factor`` instead of the data-parallel
+        size (replicas x shards). ``1.0`` sums them: for a loss already divided by the global
+        token count, as torchtitan's. This module's own group only, as torch's.
+
+        Raises ValueError for a factor that is not a positive finite number."""
+        if not (isinstance(factor, (int, float)) and 0 < factor < float("inf")):
+            raise ValueError(f"set_gradient_divide_factor needs a positive finite factor, got {factor!r}")
+        if self._fsdp2d_fsdp.group is not None:
+            self._fsdp2d_fsdp.group.divide_factor = float(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted as torch's: fsdp2d's gradient collectives always reduce with SUM and divide
+        afterwards (what torch does with ``enable=True``), on every backend, so either value
+        leaves them as they are."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}")
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for s in self._fsdp_states(recurse):
             if s.group is not None:

@@ -1,6 +1,6 @@
 """The FSDPModule API on a 2x2 (dp, tp) Llama: summon_full_params, unshard/reshard,
-reshard policies, gradient accumulation without sync, explicit prefetch, the meta-device
-(torchtitan) initialisation flow, and eval / no_grad forwards.
+reshard policies, gradient accumulation without sync, the gradient divide factor, explicit
+prefetch, the meta-device (torchtitan) initialisation flow, and eval / no_grad forwards.
 
 Every job builds the small Llama of ``_parity`` (TP plan on ``tp``, ``fully_shard`` on
 each block and the root over ``dp``) next to a single-process reference from the same
@@ -212,6 +212,37 @@ def _unshard_job():
     model.set_reshard_after_forward(True)
     model.zero_grad()
     return out
+
+
+def _divide_factor_job():
+    """set_gradient_divide_factor(1.0) on every FSDP module (torchtitan's way: its loss is
+    already divided by the global token count) sums the dp gradients instead of averaging
+    them: exactly 2x the default on dp=2 (a power of two). Bad factors are refused."""
+    import torch.nn.functional as F
+
+    import fsdp2d
+
+    from .pool import capture_error
+
+    _, _, avg = _setup()
+    _, _, summed = _setup()
+    for m in summed.modules():
+        if isinstance(m, fsdp2d.FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # accepted: fsdp2d always sums, then divides
+    xs, ys, _, _ = _batch()
+    for model in (avg, summed):
+        F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()).backward()
+    pairs = zip(avg.named_parameters(), summed.named_parameters())
+    return {"exact_2x": all(_local(b.grad).equal(2 * _local(a.grad)) for (_, a), (_, b) in pairs),
+            "zero": capture_error(lambda: summed.set_gradient_divide_factor(0.0)),
+            "not_bool": capture_error(lambda: summed.set_force_sum_reduction_for_comms(1))}
+
+
+def _local(t):
+    from fsdp2d._dtensor import local_of
+
+    return local_of(t)
 
 
 def _accum_job(reshard_after_backward):
@@ -492,6 +523,13 @@ def test_gradient_accumulation_without_sync(pool, reshard_after_backward):
         # 4 microbatch sums vs one: fp32 reordering only
         assert r["vs_whole"] < GRAD_TOL, f"rank {rank}: {r['vs_whole']:.2e} vs one step on the whole batch"
         assert r["vs_ref"] < GRAD_TOL, f"rank {rank}: {r['vs_ref']:.2e} vs the reference"
+
+
+def test_gradient_divide_factor_sums_gradients(pool):
+    for rank, r in enumerate(pool.run(_divide_factor_job)):
+        assert r["exact_2x"], rank
+        assert r["zero"][0] == "ValueError" and "positive" in r["zero"][1], r["zero"]
+        assert r["not_bool"][0] == "TypeError", r["not_bool"]
 
 
 def test_explicit_prefetch_is_identical_to_default(pool):
