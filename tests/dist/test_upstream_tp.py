@@ -66,15 +66,11 @@ TORCH_PASSES = {
 # THE list: tests torch passes on CPU that fsdp2d does not, each with its reason.
 EXCEPTIONS = {
     "test_tp_style.py::TensorParallelStyleTest.test_colwise_parallel_style": "not yet: CommDebugMode",
-    "test_tp_style.py::TensorParallelStyleTest.test_prepare_module_input_multiple_inputs": "not yet: arities",
     "test_tp_style.py::TensorParallelStyleTest.test_prepare_module_kwargs_input": "not yet: CommDebugMode",
     "test_tp_style.py::TensorParallelStyleTest.test_rowwise_parallel_embedding": "not yet: CommDebugMode",
     "test_tp_style.py::TensorParallelStyleTest.test_rowwise_parallel_style": "not yet: CommDebugMode",
     "test_tp_style.py::TensorParallelStyleTest.test_sequence_parallel_style": "not yet: CommDebugMode",
-    "test_parallelize_api.py::TensorParallelAPITests.test_empty_plan": "not yet: empty plan",
     "test_parallelize_api.py::TensorParallelAPITests.test_parallelize_module_with_no_match": "not yet",
-    "test_parallelize_api.py::TensorParallelAPITests.test_parallelize_module_with_root_module": "not yet: root",
-    "test_parallelize_api.py::TensorParallelAPITests.test_under_devicemesh_context": "not yet: mesh context",
     "test_tp_examples.py::DistTensorParallelExampleTest.test_loss_parallel": "not yet: loss_parallel",
     "test_tp_examples.py::DistTensorParallelExampleTest."
     "test_mlp_training_is_seq_parallel_False_recompute_activation_False": "not yet: CommDebugMode",
