@@ -76,7 +76,10 @@ EXCEPTIONS = {
     "test_tp_style.py::TensorParallelStyleTest.test_sequence_parallel_style": (
         "the same for SequenceParallel norms: fsdp2d all-reduces the weight/bias gradients in backward "
         "(torch: no collective, grad placements Partial()); fsdp2d's grads are Replicate"),
-    "test_tp_examples.py::DistTensorParallelExampleTest.test_loss_parallel": "not yet: loss_parallel",
+    "test_tp_examples.py::DistTensorParallelExampleTest.test_loss_parallel": (
+        "fsdp2d's vocab-parallel cross-entropy issues 2 all-reduces where torch issues 3 (the sum of "
+        "exps and the target logit go as one stacked tensor); all else this test checks holds, "
+        "see test_style_keywords.py::test_loss_parallel_on_class_sharded_dtensors"),
 }
 
 CASES = [(f, name) for f in U.FILES for name in U.collect(f)]
