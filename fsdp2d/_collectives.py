@@ -27,10 +27,10 @@ bit-identical results, equal to gloo's). Two transports carry the messages:
 tests count collectives with it), every collective here runs as torch's functional
 collective op instead (``_c10d_functional.all_reduce`` / ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor`` on the same group, then ``wait_tensor``), which the mode counts
-under torch's names: same result, no pairwise exchange. The hot path pays one C call
-(is any dispatch mode active?): 160-190 ns per collective, against 280-400 us for the
-smallest one, a 2-rank all-reduce of one float (under 0.1%; ``benchmarks/collective_watch.py``
-on the loaded 2-core machine).
+under torch's names: same result, no pairwise exchange (``fsdp2d._funcol``). The hot path pays one C call
+(is any dispatch mode active?): 0.1-0.36 us per collective, against 43-730 us for the
+smallest one, a 2-rank all-reduce of one float: 0.05-0.22% of it, the spread being the
+load on the shared 2-core machine (``benchmarks/collective_watch.py``, 7 runs).
 
 NCCL and other backends use their native collectives. Messages carry the tag
 ``kind << 24 | sequence number`` (one counter per group, advanced by every exchange;
@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _shm
+from . import _funcol, _shm
 from .placement import chunk_range
 
 Group = dist.ProcessGroup
@@ -285,58 +285,15 @@ def _exchange_all_reduce(x: torch.Tensor, group: Group, info: _Peers, inplace: b
         pending.release()
 
 
-# -- torch's functional collectives, while CommDebugMode watches ------------------------
-_funcol = torch.ops._c10d_functional
-_REDUCE_NAME = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
-                dist.ReduceOp.PRODUCT: "product", dist.ReduceOp.AVG: "avg"}
-
-
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-
-
-def watched() -> bool:
-    """Whether torch's ``CommDebugMode`` (or a subclass) is active on this thread. One C
-    call when no dispatch mode is active, the usual case."""
-    if not _dispatch_modes():
-        return False
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return any(isinstance(m, CommDebugMode) for m in _get_current_dispatch_mode_stack())
-
-
-class _Done:
-    """The handle of a collective that already completed."""
-
-    def wait(self) -> bool:
-        return True
-
-
-def _funcol_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group) -> _Done:
-    _check(out, inp, group_size(group), "all_gather_into")
-    got = _funcol.wait_tensor(_funcol.all_gather_into_tensor(inp.reshape(-1), group_size(group), group.group_name))
-    out.view(-1).copy_(got)
-    return _Done()
-
-
-def _funcol_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group) -> _Done:
-    _check(inp, out, group_size(group), "reduce_scatter_into")
-    got = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(inp.reshape(-1), "sum", group_size(group),
-                                                            group.group_name))
-    out.view(-1).copy_(got)
-    return _Done()
-
-
-def _funcol_all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp) -> torch.Tensor:
-    if op not in _REDUCE_NAME:
-        raise ValueError(f"all_reduce: {op} has no functional-collective form")
-    return _funcol.wait_tensor(_funcol.all_reduce(x, _REDUCE_NAME[op], group.group_name))
-
-
 def _run(exchange: Callable, native: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group,
          async_op: bool) -> Any:
-    if watched():
-        work = (_funcol_all_gather if exchange is _exchange_all_gather else _funcol_reduce_scatter)(out, inp, group)
+    if _funcol.watched():  # torch's CommDebugMode counts functional collectives only
+        gather = exchange is _exchange_all_gather
+        if gather:
+            _check(out, inp, group_size(group), "all_gather_into")
+        else:
+            _check(inp, out, group_size(group), "reduce_scatter_into")
+        work = (_funcol.all_gather if gather else _funcol.reduce_scatter)(out, inp, group)
         return work if async_op else None
     info = _exchange_peers(group, inp)
     if info is not None:
@@ -367,8 +324,8 @@ def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
     if group_size(group) == 1:
         return x
     x = x.contiguous()
-    if watched():
-        return _funcol_all_reduce(x, group, op)
+    if _funcol.watched():
+        return _funcol.all_reduce(x, group, op)
     info = _exchange_peers(group, x) if op == dist.ReduceOp.SUM and group_size(group) == 2 else None
     if info is not None:
         return _exchange_all_reduce(x, group, info, inplace)
