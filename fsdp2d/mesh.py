@@ -85,6 +85,17 @@ def coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
     return tuple(coord)
 
 
+def current_mesh() -> DeviceMesh | None:
+    """The mesh of the innermost ``with mesh:`` block (torch's DeviceMesh context), or None."""
+    from torch.distributed.device_mesh import _mesh_resources  # torch keeps that stack here
+
+    stack = getattr(_mesh_resources, "mesh_stack", None)
+    if stack is None:  # a torch that no longer keeps it: fail loudly rather than guess
+        raise RuntimeError("fsdp2d cannot read torch's current DeviceMesh (`with mesh:`) on this torch "
+                           "version; pass device_mesh explicitly")
+    return stack[-1] if stack else None
+
+
 def root_of(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced (or flattened) from; itself at the top."""
     return mesh._get_root_mesh()

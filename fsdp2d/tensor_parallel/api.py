@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import copy
 import difflib
+import warnings
 from fnmatch import fnmatchcase
 from typing import Mapping
 
 from torch import nn
 
-from ..mesh import DeviceMesh, axis_names
+from ..mesh import DeviceMesh, axis_names, current_mesh
 from ._params import TIES
 from .style import ParallelStyle
 
@@ -24,8 +25,11 @@ __all__ = ["parallelize_module"]
 
 
 def _match(root: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
-    """Modules under ``root`` whose dotted path matches ``pattern`` level by level."""
+    """Modules under ``root`` whose dotted path matches ``pattern`` level by level
+    (``""``: ``root`` itself, as torch)."""
     found = [("", root)]
+    if pattern == "":
+        return found
     for part in pattern.split("."):
         found = [
             (f"{path}.{name}" if path else name, child)
@@ -68,8 +72,10 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
 
     Args:
         module: the model (on CPU, CUDA or the meta device). Apply before ``fully_shard``.
-        device_mesh: a 1-D mesh, usually ``mesh["tp"]``.
-        parallelize_plan: a style for ``module`` itself, or ``{pattern: style}``.
+        device_mesh: a 1-D mesh, usually ``mesh["tp"]``; None: the mesh of the innermost
+            ``with mesh:`` block, as torch.
+        parallelize_plan: a style for ``module`` itself, or ``{pattern: style}`` (pattern
+            ``""``: ``module`` itself). None warns and changes nothing, as torch.
         src_data_rank: TP rank whose full parameter values are broadcast before slicing
             (torch's default, 0); ``None`` slices each rank's own values without
             communicating.
@@ -84,13 +90,16 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         parallelize_module(model, tp, {"layers.*.mlp.fc1": ColwiseParallel(),
                                        "layers.*.mlp.fc2": RowwiseParallel()})
 
-    Raises: ValueError for a mesh that is not 1-D, a pattern that matches nothing (with
+    Raises: ValueError for no mesh (none given, no ``with mesh:``) or a mesh that is not 1-D, a pattern that matches nothing (with
     the closest names) or two patterns matching one module; TypeError for a style that
     cannot apply to the module it matched (naming the module); RuntimeError when the
     module was already passed to ``fully_shard`` (wrong order).
     """
     if device_mesh is None:
-        raise ValueError("parallelize_module needs device_mesh: a 1-D torch DeviceMesh such as mesh['tp']")
+        device_mesh = current_mesh()  # inside ``with mesh:``, as torch
+    if device_mesh is None:
+        raise ValueError("parallelize_module needs device_mesh: a 1-D torch DeviceMesh such as mesh['tp'] "
+                         "(or call it inside `with mesh:`)")
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"parallelize_module got a {type(device_mesh).__module__}.{type(device_mesh).__name__} "
                         f"as device_mesh; pass a torch DeviceMesh (fsdp2d.init_device_mesh or torch's), e.g. "
@@ -101,6 +110,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
             f"pass the TP sub-mesh, e.g. mesh[{axis_names(device_mesh)[-1]!r}]"
         )
     if parallelize_plan is None:
+        warnings.warn("parallelize_module: no parallelize_plan given, so nothing is parallelized", stacklevel=2)
         return module
     targets = _validated_targets(module, parallelize_plan)
     token = TIES.set({})  # tied parameters are sharded once and stay one object

@@ -10,6 +10,10 @@ logits. Call ``backward()`` inside the context too, as with torch's.
 
 Outside the context, a tagged tensor is just this rank's slice of the vocab: compute
 losses on it only under ``loss_parallel()`` (or use ``output_layouts=Replicate()``).
+
+DTensor logits (``use_local_output=False``, or any DTensor sharded on the class dim, as
+torch's ``loss_parallel`` takes them, including (N, C, d1, ...) inputs) give a Replicate
+DTensor loss, and their gradient arrives with their own placement.
 """
 
 from __future__ import annotations
@@ -22,10 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _collectives as C
-from .._dtensor import local_of
 from ..placement import chunk_range
 
 __all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
@@ -112,10 +115,8 @@ class _LossParallelMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if func is F.cross_entropy and isinstance(src, DTensor):  # use_local_output=False logits
-            args = (_tagged_local(src), *(local_of(a) for a in args[1:]))
-            kwargs = {k: local_of(v) for k, v in kwargs.items()}
-            src = args[0]
+        if func is F.cross_entropy and isinstance(src, DTensor):  # torch's loss_parallel input
+            return _dtensor_cross_entropy(*args, **kwargs)
         tag = getattr(src, "_fsdp2d_vocab", None) if src is not None else None
         if tag is not None and func is F.cross_entropy:
             return _cross_entropy(*args, **kwargs)
@@ -126,27 +127,50 @@ class _LossParallelMode(TorchFunctionMode):
         return out
 
 
-def _tagged_local(logits: DTensor) -> torch.Tensor:
-    """The local vocab shard of DTensor logits sharded on the last dim over a 1-D mesh."""
-    p = logits.placements[0] if logits.device_mesh.ndim == 1 else None
-    if p is None or not p.is_shard() or p.dim % logits.ndim != logits.ndim - 1:
-        raise ValueError(f"loss_parallel: DTensor logits must be sharded on the vocab (last) dim of a 1-D TP "
-                         f"mesh, got placements {logits.placements} on {logits.device_mesh}")
-    local = logits.to_local()
-    local._fsdp2d_vocab = (logits.device_mesh.get_group(), logits.shape[-1])
-    return local
-
-
-def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                   reduction="mean", label_smoothing=0.0):
+def _check_options(size_average=None, reduce=None, label_smoothing=0.0) -> None:
     unsupported = {"size_average": size_average is not None, "reduce": reduce is not None,
                    "label_smoothing": label_smoothing != 0.0}
     for name, given in unsupported.items():
         if given:
             raise NotImplementedError(f"loss_parallel cross_entropy does not support the {name} argument")
+
+
+def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                   reduction="mean", label_smoothing=0.0):
+    """``F.cross_entropy`` on a tagged local (N, V/k) vocab shard (ColwiseParallel logits)."""
+    _check_options(size_average, reduce, label_smoothing)
     group, vocab_size = input._fsdp2d_vocab
     return vocab_parallel_cross_entropy(input, target, group=group, vocab_size=vocab_size,
                                         ignore_index=ignore_index, reduction=reduction, weight=weight)
+
+
+def _dtensor_cross_entropy(input: DTensor, target, weight=None, size_average=None, ignore_index=-100,
+                           reduce=None, reduction="mean", label_smoothing=0.0) -> DTensor:
+    """``F.cross_entropy`` on DTensor logits, as torch's ``loss_parallel``: input (N, C) or
+    (N, C, d1, ...) sharded on the class dim C (dim 1) over a 1-D mesh, target (N, d1, ...)
+    plain or Replicate; returns a Replicate DTensor (the gradient reaches ``input`` with its
+    own placement). Two all-reduces, where torch issues three (max, sum of exps and the
+    target logit: fsdp2d sends the last two as one stacked tensor)."""
+    _check_options(size_average, reduce, label_smoothing)
+    mesh, cdim = input.device_mesh, 1 if input.ndim >= 2 else 0
+    p = input.placements[0] if mesh.ndim == 1 else None
+    if p is None or not p.is_shard() or p.dim % input.ndim != cdim:
+        raise ValueError(f"loss_parallel: DTensor logits must be sharded on the class dim (dim {cdim}) of a "
+                         f"1-D TP mesh, got placements {input.placements} on {mesh}")
+    if isinstance(target, DTensor):
+        if target.device_mesh != mesh or not all(q.is_replicate() for q in target.placements):
+            raise ValueError(f"loss_parallel: a DTensor target must be Replicate on the logits' mesh, got "
+                             f"{target.placements} on {target.device_mesh}")
+        target = target.to_local()
+    local = input.to_local()  # (N, C/k, d1, ...)
+    classes = local.shape[cdim]
+    flat = local.movedim(cdim, -1).reshape(-1, classes)  # (N * d1 * ..., C/k)
+    loss = vocab_parallel_cross_entropy(flat, target.reshape(-1), group=mesh.get_group(),
+                                        vocab_size=input.shape[cdim], ignore_index=ignore_index,
+                                        reduction=reduction, weight=weight)
+    if reduction == "none":
+        loss = loss.reshape(target.shape)
+    return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
 
 
 @contextlib.contextmanager

@@ -153,3 +153,36 @@ def test_one_rank_without_shared_memory_makes_all_fall_back(pool):
     for no_links, out in pool.run(job_transport_agreement):
         assert no_links
         assert torch.equal(out, torch.arange(float(WORLD)).repeat_interleave(2))
+
+
+def job_comm_debug_mode_sees_collectives():
+    """Under torch's CommDebugMode the collectives run as torch's functional collectives
+    (so the mode counts them under torch's names) and give the exchange path's results
+    (integer-valued float32: exact in any summation order)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from fsdp2d import _collectives as C, _funcol
+
+    funcol = torch.ops.c10d_functional
+    _, tp = _groups("shm")
+    out = {}
+    for name, group in (("world", dist.group.WORLD), ("tp", tp)):
+        x = (_input(dist.get_rank(), 8) * 100).round().float()
+        plain = (C.all_gather(x, 0, group), C.reduce_scatter(x.view(4, 2), 0, group),
+                 C.all_reduce(x, group, inplace=False), C.all_reduce(x, group, dist.ReduceOp.MAX, inplace=False))
+        assert not _funcol.watched()
+        with CommDebugMode() as mode:
+            assert _funcol.watched()
+            seen = (C.all_gather(x, 0, group), C.reduce_scatter(x.view(4, 2), 0, group),
+                    C.all_reduce(x, group, inplace=False), C.all_reduce(x, group, dist.ReduceOp.MAX, inplace=False))
+        assert all(torch.equal(a, b) for a, b in zip(plain, seen)), name
+        counts = mode.get_comm_counts()
+        out[name] = (counts[funcol.all_gather_into_tensor], counts[funcol.reduce_scatter_tensor],
+                     counts[funcol.all_reduce], mode.get_total_counts())
+    return out
+
+
+def test_comm_debug_mode_counts_fsdp2d_collectives(pool):
+    for result in pool.run(job_comm_debug_mode_sees_collectives):
+        assert result == {"world": (1, 1, 2, 4), "tp": (1, 1, 2, 4)}

@@ -231,6 +231,51 @@ def test_loss_parallel_on_dtensor_logits(pool):
         assert max(r.values()) < TOL, r
 
 
+def job_loss_parallel_on_class_sharded_dtensors() -> dict:
+    """torch's loss_parallel contract on DTensor logits sharded on the class dim (dim 1),
+    (N, C) and (N, C, d): a Replicate DTensor loss equal to one process's, the gradient
+    sharded as the logits; 2 all-reduces forward (torch: 3), none backward; logits sharded
+    on another dim raise."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import distribute_tensor, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import fsdp2d
+
+    mesh, out = get_mesh((4,), ("tp",)), {}
+    torch.manual_seed(0)
+    w = torch.rand(16)
+    for shape in ((8, 16), (8, 16, 12)):
+        x = torch.rand(shape, requires_grad=True)
+        y = torch.randint(16, (shape[0], *shape[2:]))
+        for reduction in ("none", "mean", "sum"):
+            ref = F.cross_entropy(x, y, w, reduction=reduction)
+            (grad,) = torch.autograd.grad(ref.sum(), x)
+            logits = distribute_tensor(x.detach(), mesh, [Shard(1)]).requires_grad_()
+            with fsdp2d.loss_parallel():
+                with CommDebugMode() as fwd:
+                    loss = F.cross_entropy(logits, y, w, reduction=reduction)
+                with CommDebugMode() as bwd:
+                    loss.sum().backward()
+                try:
+                    F.cross_entropy(distribute_tensor(x.detach(), mesh, [Shard(0)]), y, reduction=reduction)
+                    raised = ""
+                except ValueError as e:
+                    raised = str(e)
+            out[(shape, reduction)] = (
+                max(_rel(loss.to_local(), ref.detach()), _rel(logits.grad.full_tensor(), grad)),
+                loss.placements[0].is_replicate(), logits.grad.placements == (Shard(1),),
+                fwd.get_comm_counts()[torch.ops.c10d_functional.all_reduce], fwd.get_total_counts(),
+                bwd.get_total_counts(), "loss_parallel" in raised)
+    return out
+
+
+def test_loss_parallel_on_class_sharded_dtensors(pool):
+    for r in pool.run(job_loss_parallel_on_class_sharded_dtensors):
+        for case, (err, *checks) in r.items():
+            assert err < TOL and checks == [True, True, 2, 2, 0, True], (case, err, checks)
+
+
 def job_loss_parallel_weight() -> dict:
     """``F.cross_entropy(..., weight=w, ignore_index=...)`` under ``loss_parallel()`` on
     vocab-sharded logits (20 classes over tp=4, some targets ignored): every reduction

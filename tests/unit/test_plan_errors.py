@@ -44,7 +44,11 @@ def test_style_constructors_reject_bad_layouts():
         PrepareModuleInput(input_kwarg_layouts={"x": Shard(1)}, desired_input_kwarg_layouts={"y": Replicate()})
     with pytest.raises(ValueError, match="same length"):
         PrepareModuleOutput(output_layouts=(Replicate(), Replicate()), desired_output_layouts=Shard(0))
+    with pytest.raises(AssertionError, match="given without desired_input_layouts"):  # torch raises one
+        PrepareModuleInput(input_layouts=Shard(0))
     # the valid forms construct
+    PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate())  # torch's single placement
+    PrepareModuleInput(input_layouts=(Shard(0), None), desired_input_layouts=[Replicate(), None])
     ColwiseParallel(input_layouts=[Shard(1)], output_layouts=Replicate())
     ColwiseParallel(output_layouts=Shard(1))  # torch accepts these (gather, then split)
     RowwiseParallel(output_layouts=Shard(1))
