@@ -10,7 +10,10 @@ HF stores ``Conv1D`` weights. The architecture comes from ``extra["model"]`` of 
 checkpoint (:func:`fsdp2d.models.hf.model_spec`, which the launcher and the README's
 example save) or from ``spec=``. Streamed like :func:`fsdp2d.checkpoint.export`: the
 split into files is planned from the index, then each file is assembled, written and
-freed before the next.
+freed before the next. Into a folder that holds an earlier export: the new files are
+written into a staging folder first, then replace the old export's model files as a set
+(a stale ``model.safetensors.index.json`` and its shards included), so a failed export
+leaves the previous one whole and a finished one leaves nothing of it behind.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -100,6 +106,17 @@ def _export_hf(folder: Folder, out: Path, spec: dict | None, max_shard_bytes: in
     groups = _hf_groups(index, arch, args.tie_embeddings)
     plan = _plan(index, groups, max_shard_bytes)
     out.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".fsdp2d-export-", dir=out))
+    try:
+        names = _write_files(folder, stage, plan, groups, arch, args)
+        _swap(stage, out, names)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return [out / name for name in names]
+
+
+def _write_files(folder: Folder, out: Path, plan: list[list[str]], groups: dict, arch: str, args) -> list[str]:
+    """Every file of the export, written (and fsynced) into ``out``; their names."""
     n = len(plan)
     fnames = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map, total, dtype = {}, 0, "float32"
@@ -112,13 +129,50 @@ def _export_hf(folder: Folder, out: Path, spec: dict | None, max_shard_bytes: in
         del shard
         _fsync_write(out / fname, data)
         del data
-    written = [out / f for f in fnames]
+    written = list(fnames)
     if n > 1:
         _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-        written.append(out / "model.safetensors.index.json")
+        written.append("model.safetensors.index.json")
     _write_json(out / "config.json", {**hf_config(arch, args), "dtype": dtype})
     _write_json(out / "generation_config.json", {"_from_model_config": True})
-    return written + [out / "config.json", out / "generation_config.json"]
+    return written + ["config.json", "generation_config.json"]
+
+
+# The files an export owns in its folder: replaced as a set (tokenizers, READMEs stay).
+_MODEL_FILES = re.compile(r"(model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors|"
+                          r"(generation_)?config\.json)")
+
+
+def _swap(stage: Path, out: Path, names: list[str]) -> None:
+    """Replace the model files of ``out`` (an earlier export's, whatever its layout) by the
+    complete set in ``stage``. The old ones move aside first, into the stage, so no stale
+    index or shard stays beside the new weights; a failure midway moves them back."""
+    aside = stage / ".previous"
+    aside.mkdir()
+    moved, placed = [], []
+    try:
+        for p in sorted(out.iterdir()):
+            if _MODEL_FILES.fullmatch(p.name) and not p.is_dir():
+                os.replace(p, aside / p.name)
+                moved.append(p.name)
+        for name in names:
+            os.replace(stage / name, out / name)
+            placed.append(name)
+    except BaseException:
+        for name in placed:
+            os.replace(out / name, stage / name)
+        for name in moved:
+            os.replace(aside / name, out / name)
+        raise
+    _fsync_dir(out)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_json(path: Path, obj: dict) -> None:
