@@ -141,7 +141,8 @@ def _export(folder: Folder, out: Path, max_shard_bytes: int) -> list[Path]:
         _fsync_write(out / "model.safetensors.index.json",
                      json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode())
     fsdp_index = _index_document(tensors=tensors, world_size=1, mesh={"axes": [], "shape": []},
-                                 extra=index["extra"], optim_hparams=None, id=export_id)
+                                 extra=index["extra"], optim_hparams=None, id=export_id,
+                                 model=index.get("model"))
     _fsync_write(out / INDEX, dump_index(fsdp_index))
     return [out / f for f in fnames]
 

@@ -7,8 +7,8 @@ fused tensors come from the same per-architecture table as the import
 (:data:`fsdp2d.models.hf.TABLES`), read backwards: an HF tensor is the concatenation
 along fsdp2d dim 0 of the fsdp2d tensors mapped to it (in block order), transposed where
 HF stores ``Conv1D`` weights. The architecture comes from ``extra["model"]`` of the
-checkpoint (:func:`fsdp2d.models.hf.model_spec`, which the launcher and the README's
-example save) or from ``spec=``. Streamed like :func:`fsdp2d.checkpoint.export`: the
+checkpoint (:func:`fsdp2d.models.hf.model_spec`), from the ``"model"`` that
+:func:`fsdp2d.checkpoint.save` records for an fsdp2d Llama or GPT2, or from ``spec=``. Streamed like :func:`fsdp2d.checkpoint.export`: the
 split into files is planned from the index, then each file is assembled, written and
 freed before the next. Into a folder that holds an earlier export: the new files are
 written into a staging folder first, then replace the old export's model files as a set
@@ -98,10 +98,10 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, spec: dict | N
 
 def _export_hf(folder: Folder, out: Path, spec: dict | None, max_shard_bytes: int) -> list[Path]:
     index = folder.index
-    spec = spec or index.get("extra", {}).get("model")
+    spec = spec or index.get("extra", {}).get("model") or index.get("model")
     if spec is None:
-        raise HFError(f"{folder.path}: extra['model'] is missing; save with extra={{'model': model_spec(model)}} "
-                      f"or pass spec=")
+        raise HFError(f"{folder.path}: extra['model'] is missing (the model saved was not an fsdp2d Llama or "
+                      f"GPT2); save with extra={{'model': model_spec(model)}} or pass spec=")
     arch, args = args_from_spec(spec)
     groups = _hf_groups(index, arch, args.tie_embeddings)
     plan = _plan(index, groups, max_shard_bytes)
