@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from torch import nn
@@ -122,9 +122,21 @@ def model_spec(model: nn.Module) -> dict:
 
 
 def args_from_spec(spec: dict) -> tuple[str, LlamaArgs | GPT2Args]:
-    cls = LlamaArgs if spec["arch"] == "llama" else GPT2Args
+    """The inverse of :func:`model_spec`, checked as a ``config.json`` would be (a spec is
+    read from a checkpoint's index: input like any other); :class:`HFError` if it is not
+    one an fsdp2d model could have written."""
+    arch = spec.get("arch") if isinstance(spec, dict) else None
+    if arch not in ("llama", "gpt2") or not isinstance(spec.get("args"), dict):
+        raise HFError(f"model spec {str(spec)[:80]!r}: needs {{'arch': 'llama' or 'gpt2', 'args': {{...}}}}")
+    cls = LlamaArgs if arch == "llama" else GPT2Args
     known = {f.name for f in fields(cls)}
-    return spec["arch"], cls(**{k: v for k, v in spec["args"].items() if k in known})
+    try:
+        args = cls(**{k: v for k, v in spec["args"].items() if k in known})
+        full = replace(args, bias=True) if arch == "gpt2" else args  # HF's GPT-2 always has biases
+        config_from_hf(hf_config(arch, full), "the checkpoint's model spec")  # types and ranges
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise HFError(f"the checkpoint's model spec: {exc}") from exc
+    return arch, args
 
 
 # ------------------------------------------------------------------------ loading

@@ -51,3 +51,13 @@ def test_a_failed_export_keeps_the_old_one(tmp_path, monkeypatch):
     assert torch.equal(logits(from_hf(out)), logits(old))
 
 
+
+
+@pytest.mark.parametrize("spec", [{"arch": "bert", "args": {}}, {"arch": "llama"}, "llama",
+                                  {"arch": "llama", "args": {"dim": "32"}}, {"arch": "llama", "args": {"n_heads": 0}},
+                                  {"arch": "gpt2", "args": {"n_layer": -1}}])
+def test_a_hostile_model_spec_is_one_hferror(tmp_path, spec):
+    from fsdp2d.models.hf import HFError
+
+    with pytest.raises(HFError, match="spec"):
+        export_hf(_ckpt(llama(seed=1), tmp_path / "c"), tmp_path / "out", spec=spec)
