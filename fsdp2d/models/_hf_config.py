@@ -33,22 +33,28 @@ class HFError(ValueError):
     """An HF folder or config that fsdp2d cannot map (names the file, key or field)."""
 
 
+def _get(cfg: dict, key: str, default: Any) -> Any:
+    """``cfg[key]``; a missing key or JSON null is the default (HF writes null for "unset")."""
+    v = cfg.get(key)
+    return default if v is None else v
+
+
 def _int(cfg: dict, path: str, key: str, default: Any = None, *, lo: int = 1, hi: int = MAX_SIZE) -> int:
-    v = cfg.get(key, default)
+    v = _get(cfg, key, default)
     if type(v) is not int or not lo <= v <= hi:
         raise HFError(f"{path}: {key}={v!r} must be an integer in [{lo}, {hi}]")
     return v
 
 
 def _float(cfg: dict, path: str, key: str, default: float) -> float:
-    v = cfg.get(key, default)
+    v = _get(cfg, key, default)
     if type(v) not in (int, float) or not math.isfinite(v) or v <= 0:
         raise HFError(f"{path}: {key}={v!r} must be a finite number > 0")
     return float(v)
 
 
 def _bool(cfg: dict, path: str, key: str, default: bool) -> bool:
-    v = cfg.get(key, default)
+    v = _get(cfg, key, default)
     if type(v) is not bool:
         raise HFError(f"{path}: {key}={v!r} must be true or false")
     return v

@@ -7,6 +7,8 @@ Design
 nothing else: every name is resolved (symlinks included) and must land inside the
 folder (:meth:`HFFolder.resolve`), so an index entry ``../x``, an absolute path or a
 symlink out of the folder is an :class:`HFError`, not a read of someone else's file.
+One layout is known and allowed: the hub cache's ``snapshots/<rev>/`` folder, whose
+files are symlinks into the sibling ``blobs/`` of the same model.
 Opening a folder reads every file's header up front and checks it against the index
 (each listed tensor is where the index says, no file holds a tensor the index places
 elsewhere, both layouts at once are ambiguous), so the loader can validate the whole
@@ -59,6 +61,11 @@ class HFFolder:
         if not self.path.is_dir():
             raise HFError(f"{self.path}: not a folder (a Hugging Face model folder holds config.json and weights)")
         self._root = os.path.realpath(self.path)
+        # The Hugging Face hub cache keeps a revision as snapshots/<rev>/NAME -> ../../blobs/<sha>:
+        # that one sibling folder is part of the model too.
+        self._roots = [self._root]
+        if self.path.absolute().parent.name == "snapshots":
+            self._roots.append(os.path.realpath(self.path.absolute().parent.parent / "blobs"))
         self.stats = ReadStats()
         self._files: dict[str, Any] = {}
         try:
@@ -80,7 +87,7 @@ class HFFolder:
         if not isinstance(name, str) or not name:
             raise HFError(f"{self.path}: {what} {name!r} is not a file name")
         real = os.path.realpath(os.path.join(self._root, name))
-        if not real.startswith(self._root + os.sep):
+        if not any(real.startswith(root + os.sep) for root in self._roots):
             raise HFError(f"{self.path}: {what} {name!r} resolves to {real}, outside the folder: refused")
         if not os.path.isfile(real):
             raise HFError(f"{self.path}: {what} {name!r} is missing (or not a file)")

@@ -355,9 +355,12 @@ def _mutate(root: Path, base: Path, muts: list) -> Path:
             if other is not None and a in files[where]:
                 files[other][a] = files[where][a] + 1
         elif kind == "dtype" and where in files and a in files[where]:
-            files[where][a] = files[where][a].to(b)
+            t = files[where][a]  # float64 is lossless; back from an integer it is not: stay integer
+            files[where][a] = t.to(b) if t.is_floating_point() or not b.is_floating_point else t
         elif kind == "shape" and where in files and a in files[where]:
             t = files[where][a]
+            if b == "T":  # a square transpose is only other weights: make it a shape change
+                b = "rows-1" if t.dim() != 2 or t.shape[0] == t.shape[1] else b
             files[where][a] = (t[:-1] if b == "rows-1" else t.T if b == "T" else torch.zeros(b)).contiguous()
         elif kind == "path" and a in index["weight_map"]:
             index["weight_map"][a] = str(root / "decoy" / "model.safetensors") if b == "ABS" else b
@@ -423,3 +426,30 @@ def _check_one(model: Llama, folder: Path, src: Llama, muts: list) -> None:
     assert same_state(state(built), state(src)), f"{muts}: from_hf loaded other weights"
     if built.args == src.args:
         assert torch.equal(logits(built), logits(src)), f"{muts}: from_hf computes something else"
+
+
+def test_the_hub_cache_layout_loads(tmp_path):
+    """snapshots/<rev>/NAME -> ../../blobs/<sha>, as huggingface_hub writes it; a link
+    from there to anywhere else is still refused."""
+    src = llama(seed=1)
+    model_dir = tmp_path / "models--x--tiny"
+    flat = write(src, tmp_path / "flat")
+    (model_dir / "blobs").mkdir(parents=True)
+    snap = model_dir / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (flat / name).rename(model_dir / "blobs" / f"sha-{name}")
+        (snap / name).symlink_to(f"../../blobs/sha-{name}")
+    assert torch.equal(logits(from_hf(snap)), logits(src))
+    decoy = _outside(tmp_path)
+    (snap / "config.json").unlink()
+    (snap / "config.json").symlink_to(decoy / "config.json")
+    with pytest.raises(HFError, match="outside"):
+        from_hf(snap)
+
+
+def test_null_fields_take_their_defaults(tmp_path):
+    src = llama(seed=1)
+    cfg = {**hf_config("llama", src.args), "num_key_value_heads": None, "tie_word_embeddings": None}
+    folder = write(llama(seed=1, n_kv_heads=None), tmp_path / "hf", cfg=cfg)
+    assert from_hf(folder).args.kv_heads == 4
