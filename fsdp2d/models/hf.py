@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..placement import Box
-from ._hf_config import HFError, check_against_model, config_from_hf, hf_config
+from ._hf_config import MAX_SIZE, HFError, check_against_model, config_from_hf, hf_config
 from ._hf_files import CONFIG, FLOAT_DTYPES, HFFolder, ReadStats
 from .gpt2 import GPT2, GPT2Args
 from .llama import Llama, LlamaArgs, precompute_rope
@@ -249,9 +249,14 @@ def load_hf_into(model: nn.Module, path: str | os.PathLike) -> ReadStats:
         for e, fqn, _ in plan:
             if e.tensor.is_meta:
                 raise HFError(f"{fqn} is on the meta device: call model.to_empty(device=...) before loading")
-        for e, _, rule in plan:
-            if e.box.numel():
+        for e, fqn, rule in plan:
+            if not e.box.numel():
+                continue
+            try:
                 e.tensor.copy_(_read(folder, rule, e.box, e.global_shape))
+            except Exception as exc:  # an I/O error after validation: say the model is partial
+                raise HFError(f"{folder.path}: reading {rule.hf} for {fqn} failed after every check passed "
+                              f"({exc}); the model is partially loaded: load it again") from exc
         if isinstance(model, Llama):  # the one buffer: not in files, garbage after to_empty
             a = model.args
             model.rope_cache = precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, model.rope_cache.device,
@@ -278,6 +283,8 @@ def from_hf(path: str | os.PathLike, *, device: torch.device | str = "cpu",
     with HFFolder(path) as folder:
         arch, args = config_from_hf(folder.config(), str(folder.path / CONFIG))
         if max_seq_len is not None and arch == "llama":
+            if type(max_seq_len) is not int or not 1 <= max_seq_len <= MAX_SIZE:
+                raise HFError(f"from_hf: max_seq_len={max_seq_len!r} must be an integer in [1, {MAX_SIZE}]")
             args.max_seq_len = max_seq_len
         check_sizes(folder, arch, args)
         with torch.device("meta"):

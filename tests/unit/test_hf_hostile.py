@@ -453,3 +453,23 @@ def test_null_fields_take_their_defaults(tmp_path):
     cfg = {**hf_config("llama", src.args), "num_key_value_heads": None, "tie_word_embeddings": None}
     folder = write(llama(seed=1, n_kv_heads=None), tmp_path / "hf", cfg=cfg)
     assert from_hf(folder).args.kv_heads == 4
+
+
+def test_a_read_error_after_validation_says_partial(base, monkeypatch):
+    """The one failure no check can foresee (the disk, mid-copy) is named as such."""
+    import fsdp2d.models.hf as M
+
+    calls = []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("Input/output error")
+        return real(*a, **kw)
+
+    real = M._read
+    monkeypatch.setattr(M, "_read", failing)
+    with pytest.raises(HFError, match="partially loaded"):
+        load_hf_into(llama(), base)
+    with pytest.raises(HFError, match="max_seq_len"):
+        from_hf(base, max_seq_len=-1)
