@@ -21,9 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -33,6 +30,7 @@ from ..models.hf import HFError, Rule, args_from_spec, hf_config, hf_rule
 from ..placement import Box
 from ._files import Folder
 from ._io import _fsync_write, read_box
+from ._replace import write_replacing
 
 __all__ = ["export_hf"]
 
@@ -105,14 +103,7 @@ def _export_hf(folder: Folder, out: Path, spec: dict | None, max_shard_bytes: in
     arch, args = args_from_spec(spec)
     groups = _hf_groups(index, arch, args.tie_embeddings)
     plan = _plan(index, groups, max_shard_bytes)
-    out.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".fsdp2d-export-", dir=out))
-    try:
-        names = _write_files(folder, stage, plan, groups, arch, args)
-        _swap(stage, out, names)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return [out / name for name in names]
+    return write_replacing(out, folder.path, lambda stage: _write_files(folder, stage, plan, groups, arch, args))
 
 
 def _write_files(folder: Folder, out: Path, plan: list[list[str]], groups: dict, arch: str, args) -> list[str]:
@@ -136,43 +127,6 @@ def _write_files(folder: Folder, out: Path, plan: list[list[str]], groups: dict,
     _write_json(out / "config.json", {**hf_config(arch, args), "dtype": dtype})
     _write_json(out / "generation_config.json", {"_from_model_config": True})
     return written + ["config.json", "generation_config.json"]
-
-
-# The files an export owns in its folder: replaced as a set (tokenizers, READMEs stay).
-_MODEL_FILES = re.compile(r"(model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors|"
-                          r"(generation_)?config\.json)")
-
-
-def _swap(stage: Path, out: Path, names: list[str]) -> None:
-    """Replace the model files of ``out`` (an earlier export's, whatever its layout) by the
-    complete set in ``stage``. The old ones move aside first, into the stage, so no stale
-    index or shard stays beside the new weights; a failure midway moves them back."""
-    aside = stage / ".previous"
-    aside.mkdir()
-    moved, placed = [], []
-    try:
-        for p in sorted(out.iterdir()):
-            if _MODEL_FILES.fullmatch(p.name) and not p.is_dir():
-                os.replace(p, aside / p.name)
-                moved.append(p.name)
-        for name in names:
-            os.replace(stage / name, out / name)
-            placed.append(name)
-    except BaseException:
-        for name in placed:
-            os.replace(out / name, stage / name)
-        for name in moved:
-            os.replace(aside / name, out / name)
-        raise
-    _fsync_dir(out)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json(path: Path, obj: dict) -> None:

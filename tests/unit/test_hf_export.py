@@ -61,3 +61,20 @@ def test_a_hostile_model_spec_is_one_hferror(tmp_path, spec):
 
     with pytest.raises(HFError, match="spec"):
         export_hf(_ckpt(llama(seed=1), tmp_path / "c"), tmp_path / "out", spec=spec)
+
+
+def test_fsdp2d_export_over_an_earlier_one(tmp_path):
+    """The same for the fsdp2d-format export: a single-file export over a sharded one
+    leaves no stale index or shard (transformers would read the stale index otherwise)."""
+    from fsdp2d.checkpoint import CheckpointError, export
+
+    old, new, out = llama(seed=1), llama(seed=2), tmp_path / "out"
+    export(_ckpt(old, tmp_path / "c1"), out, max_shard_bytes=8_000)
+    assert (out / "model.safetensors.index.json").is_file()
+    export(_ckpt(new, tmp_path / "c2"), out)
+    assert sorted(p.name for p in out.iterdir()) == ["fsdp2d.index.json", "model.safetensors"]
+    loaded = llama(seed=3)
+    checkpoint.load(out, loaded)
+    assert torch.equal(logits(loaded), logits(new))
+    with pytest.raises(CheckpointError, match="checkpoint being exported"):
+        export(tmp_path / "c2", tmp_path / "c2")
