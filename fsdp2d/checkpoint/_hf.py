@@ -8,12 +8,11 @@ fused tensors come from the same per-architecture table as the import
 along fsdp2d dim 0 of the fsdp2d tensors mapped to it (in block order), transposed where
 HF stores ``Conv1D`` weights. The architecture comes from ``extra["model"]`` of the
 checkpoint (:func:`fsdp2d.models.hf.model_spec`), from the ``"model"`` that
-:func:`fsdp2d.checkpoint.save` records for an fsdp2d Llama or GPT2, or from ``spec=``. Streamed like :func:`fsdp2d.checkpoint.export`: the
-split into files is planned from the index, then each file is assembled, written and
-freed before the next. Into a folder that holds an earlier export: the new files are
-written into a staging folder first, then replace the old export's model files as a set
-(a stale ``model.safetensors.index.json`` and its shards included), so a failed export
-leaves the previous one whole and a finished one leaves nothing of it behind.
+:func:`fsdp2d.checkpoint.save` records for an fsdp2d Llama or GPT2, or from ``spec=``.
+Streamed like :func:`fsdp2d.checkpoint.export`: the split into files is planned from the
+index, then each file is assembled, written and freed before the next. An earlier export
+in the folder is replaced as a set (``_replace``): a stale index and its shards do not
+stay beside the new weights, and a failed export leaves the previous one whole.
 """
 
 from __future__ import annotations

@@ -109,5 +109,5 @@ def test_clear_errors(folders, tmp_path):
         load_hf_into(model, bad)
     tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:4]
     save_file(tensors, bad / "model.safetensors")
-    with pytest.raises(HFError, match=r"config.json: n_positions=16 but transformer.wpe.weight in the weights has 4 rows"):
+    with pytest.raises(HFError, match=r"config.json: n_positions=16 but transformer.wpe.weight .* has 4 rows"):
         load_hf_into(model, bad)
