@@ -21,6 +21,7 @@ from . import _commit
 from ._files import Folder, _digest, manifest
 from ._index import describe_layout, dump_index
 from ._io import INDEX, _fsync_write, _index_document, read_box, save
+from ._replace import write_replacing
 
 __all__ = ["get_model_state_dict", "CheckpointManager", "export", "inspect"]
 
@@ -95,12 +96,15 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, *, max_shard_bytes: 
     ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` when larger than ``max_shard_bytes``), keys = module
     fqns, loadable with ``safetensors.torch.load_file`` into the unparallelized model.
-    ``out`` also gets an fsdp2d index (one box per tensor), so ``load`` reads it too.
+    ``out`` also gets an fsdp2d index (one box per tensor), so ``load`` reads it too. The
+    model files of an earlier export in ``out`` are replaced as a set (no stale shard or
+    index stays); a failed export leaves them as they were.
     Offline, one process, no process group. Streams: the file split is planned from the
     index, then each file's tensors are assembled, written and freed before the next, so
     memory peaks at about two output files, not the whole model."""
-    with Folder(ckpt) as folder:
-        return _export(folder, Path(out), max_shard_bytes)
+    with Folder(ckpt) as folder:  # into a staging folder, then over any earlier export as a set
+        return write_replacing(Path(out), folder.path,
+                               lambda stage: [p.name for p in _export(folder, stage, max_shard_bytes)])
 
 
 def _export(folder: Folder, out: Path, max_shard_bytes: int) -> list[Path]:
@@ -141,7 +145,8 @@ def _export(folder: Folder, out: Path, max_shard_bytes: int) -> list[Path]:
         _fsync_write(out / "model.safetensors.index.json",
                      json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode())
     fsdp_index = _index_document(tensors=tensors, world_size=1, mesh={"axes": [], "shape": []},
-                                 extra=index["extra"], optim_hparams=None, id=export_id)
+                                 extra=index["extra"], optim_hparams=None, id=export_id,
+                                 model=index.get("model"))
     _fsync_write(out / INDEX, dump_index(fsdp_index))
     return [out / f for f in fnames]
 

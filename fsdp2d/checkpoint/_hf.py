@@ -7,10 +7,12 @@ fused tensors come from the same per-architecture table as the import
 (:data:`fsdp2d.models.hf.TABLES`), read backwards: an HF tensor is the concatenation
 along fsdp2d dim 0 of the fsdp2d tensors mapped to it (in block order), transposed where
 HF stores ``Conv1D`` weights. The architecture comes from ``extra["model"]`` of the
-checkpoint (:func:`fsdp2d.models.hf.model_spec`, which the launcher and the README's
-example save) or from ``spec=``. Streamed like :func:`fsdp2d.checkpoint.export`: the
-split into files is planned from the index, then each file is assembled, written and
-freed before the next.
+checkpoint (:func:`fsdp2d.models.hf.model_spec`), from the ``"model"`` that
+:func:`fsdp2d.checkpoint.save` records for an fsdp2d Llama or GPT2, or from ``spec=``.
+Streamed like :func:`fsdp2d.checkpoint.export`: the split into files is planned from the
+index, then each file is assembled, written and freed before the next. An earlier export
+in the folder is replaced as a set (``_replace``): a stale index and its shards do not
+stay beside the new weights, and a failed export leaves the previous one whole.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..models.hf import HFError, Rule, args_from_spec, hf_config, hf_rule
 from ..placement import Box
 from ._files import Folder
 from ._io import _fsync_write, read_box
+from ._replace import write_replacing
 
 __all__ = ["export_hf"]
 
@@ -92,14 +95,18 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, spec: dict | N
 
 def _export_hf(folder: Folder, out: Path, spec: dict | None, max_shard_bytes: int) -> list[Path]:
     index = folder.index
-    spec = spec or index.get("extra", {}).get("model")
+    spec = spec or index.get("extra", {}).get("model") or index.get("model")
     if spec is None:
-        raise HFError(f"{folder.path}: extra['model'] is missing; save with extra={{'model': model_spec(model)}} "
-                      f"or pass spec=")
+        raise HFError(f"{folder.path}: extra['model'] is missing (the model saved was not an fsdp2d Llama or "
+                      f"GPT2); save with extra={{'model': model_spec(model)}} or pass spec=")
     arch, args = args_from_spec(spec)
     groups = _hf_groups(index, arch, args.tie_embeddings)
     plan = _plan(index, groups, max_shard_bytes)
-    out.mkdir(parents=True, exist_ok=True)
+    return write_replacing(out, folder.path, lambda stage: _write_files(folder, stage, plan, groups, arch, args))
+
+
+def _write_files(folder: Folder, out: Path, plan: list[list[str]], groups: dict, arch: str, args) -> list[str]:
+    """Every file of the export, written (and fsynced) into ``out``; their names."""
     n = len(plan)
     fnames = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map, total, dtype = {}, 0, "float32"
@@ -112,13 +119,13 @@ def _export_hf(folder: Folder, out: Path, spec: dict | None, max_shard_bytes: in
         del shard
         _fsync_write(out / fname, data)
         del data
-    written = [out / f for f in fnames]
+    written = list(fnames)
     if n > 1:
         _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-        written.append(out / "model.safetensors.index.json")
+        written.append("model.safetensors.index.json")
     _write_json(out / "config.json", {**hf_config(arch, args), "dtype": dtype})
     _write_json(out / "generation_config.json", {"_from_model_config": True})
-    return written + [out / "config.json", out / "generation_config.json"]
+    return written + ["config.json", "generation_config.json"]
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -4,7 +4,7 @@ Format (``fsdp2d.index.json``, version 2)::
 
     {"format": "fsdp2d", "version": 2, "id": "<the save's id>", "world_size": 8192,
      "mesh": {"axes": ["dp", "tp"], "shape": [1024, 8]},
-     "extra": {...}, "optim_hparams": [...],
+     "extra": {...}, "optim_hparams": [...], "model": {"arch": "llama", "args": {...}} or null,
      "tensors": {"model/layers.0.attention.wq.weight":
                  {"dtype": "float32", "shape": [4096, 4096],
                   "layout": {"axes": ["tp", "dp"], "placements": ["S(0)", "S(0)"],
@@ -111,6 +111,7 @@ def validate_index(index: Any, where: str) -> tuple[dict, dict[str, Layout]]:
            and _ints(mesh.get("shape"), len(mesh["axes"]), 1),
            "mesh must be {\"axes\": [distinct names], \"shape\": [sizes >= 1]}")
     c.need(isinstance(index["extra"], dict), "extra is not a JSON object")
+    c.need(index.get("model") is None or isinstance(index["model"], dict), "model is not a JSON object or null")
     c.need(isinstance(index["id"], str), "id is not a string")
     _check_hparams_doc(c, index["optim_hparams"])
     tensors = index["tensors"]

@@ -165,7 +165,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         try:
             index = _index_document(tensors=plan.tensors, mesh=plan.mesh, extra=extra or {}, id=nonce,
                                     world_size=dist.get_world_size() if dist.is_initialized() else 1,
-                                    optim_hparams=optimizer_hparams(optimizer) if optimizer else None)
+                                    optim_hparams=optimizer_hparams(optimizer) if optimizer else None,
+                                    model=_model_spec(model))
             _fsync_write(tmp / INDEX, dump_index(index))
             _commit.phase("index")
             lock, fd = None, lock
@@ -194,10 +195,23 @@ def _fail_together(path: Path, error: str, cleanup: tuple | None = None) -> None
 
 
 def _index_document(*, tensors: dict, world_size: int, mesh: dict, extra: dict, optim_hparams: list | None,
-                    id: str) -> dict:
+                    id: str, model: dict | None = None) -> dict:
     """The ``fsdp2d.index.json`` document (see ``_index``)."""
     return {"format": FORMAT, "version": VERSION, "id": id, "world_size": world_size, "mesh": mesh,
-            "extra": extra, "optim_hparams": optim_hparams, "tensors": tensors}
+            "extra": extra, "optim_hparams": optim_hparams, "model": model, "tensors": tensors}
+
+
+def _model_spec(model: torch.nn.Module) -> dict | None:
+    """``{"arch", "args"}`` of an fsdp2d Llama or GPT2 (an FSDP1 wrapper's too), which
+    ``export --format hf`` needs to write ``config.json``; None for any other model."""
+    from ..models.hf import HFError, model_spec
+
+    for m in (model, getattr(model, "module", None)):
+        try:
+            return model_spec(m) if m is not None else None
+        except HFError:
+            continue
+    return None
 
 
 # -- load --------------------------------------------------------------------------------

@@ -44,6 +44,15 @@ def _entries(model: nn.Module) -> dict[int, list[tuple[str, Any, Any]]]:
     return out
 
 
+def _check_owned(entries: dict, optim: torch.optim.Optimizer, api: str) -> None:
+    """Every optimizer parameter must be one of the model's (as the optimizer sees it: a
+    flat parameter or a sharded one); else the state would be dropped without a word."""
+    for i, p in enumerate(q for g in optim.param_groups for q in g["params"]):
+        if id(p) not in entries:
+            raise ValueError(f"{api}: the optimizer's parameter {i} (shape {tuple(p.shape)}) is not a parameter of "
+                             f"the model given: was the optimizer built over another model, or before wrapping?")
+
+
 def _order(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optim.param_groups for p in group["params"]]
 
@@ -66,6 +75,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
         raise NotImplementedError("optim_state_dict with LOCAL_STATE_DICT is not supported (as with torch); use "
                                   "FULL_STATE_DICT or SHARDED_STATE_DICT")
     entries = _entries(model)
+    _check_owned(entries, optim, "optim_state_dict")
     state: dict[str, dict] = {}
     groups = []
     index = 0
@@ -113,6 +123,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     ``optim.load_state_dict`` takes for this model's optimizer."""
     saved_state, saved_groups = optim_state_dict["state"], optim_state_dict["param_groups"]
     entries = _entries(model)
+    _check_owned(entries, optim, "optim_state_dict_to_load")
     state: dict[int, dict] = {}
     groups = []
     index = 0

@@ -27,26 +27,22 @@ piece's box: never the whole model per rank. No collective is involved.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from ..placement import Box
+from ._hf_config import MAX_SIZE, HFError, check_against_model, config_from_hf, hf_config
+from ._hf_files import CONFIG, FLOAT_DTYPES, HFFolder, ReadStats
 from .gpt2 import GPT2, GPT2Args
 from .llama import Llama, LlamaArgs, precompute_rope
 
 __all__ = ["Rule", "TABLES", "from_hf", "load_hf_into", "config_from_hf", "hf_config", "hf_rule",
-           "HFError", "ReadStats"]
-
-
-class HFError(ValueError):
-    """An HF folder or config that fsdp2d cannot map (names the file, key or field)."""
+           "HFError", "ReadStats", "HFFolder", "model_spec",
+           "check_sizes"]
 
 
 @dataclass(frozen=True)
@@ -116,76 +112,6 @@ def hf_rule(arch: str, fqn: str, tied: bool = False) -> Rule:
     raise HFError(f"{arch}: fsdp2d parameter {fqn!r} has no Hugging Face counterpart in the name table")
 
 
-# ------------------------------------------------------------------------ configs
-
-
-def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) from transformers 5's ``rope_parameters`` or 4.x's fields."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    return float(theta), (None if kind == "default" else {"rope_type": kind, **params})
-
-
-def _require(cfg: dict, path: str, key: str, ok: bool, want: str) -> None:
-    if not ok:
-        raise HFError(f"{path}: {key}={cfg.get(key)!r} is not supported by fsdp2d's model (needs {want})")
-
-
-def config_from_hf(cfg: dict, path: str = "config.json") -> tuple[str, LlamaArgs | GPT2Args]:
-    """``(arch, args)`` of fsdp2d's model for an HF ``config.json`` dict; fields fsdp2d's
-    models cannot honour raise :class:`HFError` naming the field."""
-    kind = cfg.get("model_type")
-    if kind in ("llama", "mistral") and not cfg.get("sliding_window"):
-        heads, dim = cfg["num_attention_heads"], cfg["hidden_size"]
-        _require(cfg, path, "head_dim", cfg.get("head_dim") in (None, dim // heads), f"hidden_size/heads={dim // heads}")
-        _require(cfg, path, "hidden_act", cfg.get("hidden_act", "silu") == "silu", "silu")
-        for key in ("attention_bias", "mlp_bias"):
-            _require(cfg, path, key, not cfg.get(key), "false")
-        theta, scaling = _rope(cfg)
-        return "llama", LlamaArgs(
-            dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
-            ffn_hidden=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta,
-            rope_scaling=scaling, max_seq_len=cfg.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
-    if kind == "gpt2":
-        n = cfg["n_embd"]
-        _require(cfg, path, "activation_function", cfg.get("activation_function", "gelu_new")
-                 in ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
-        _require(cfg, path, "n_inner", cfg.get("n_inner") in (None, 4 * n), f"4 * n_embd = {4 * n}")
-        for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                          ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
-            _require(cfg, path, key, cfg.get(key, want) == want, str(want).lower())
-        return "gpt2", GPT2Args(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=n,
-                                vocab_size=cfg["vocab_size"], block_size=cfg["n_positions"],
-                                layer_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-                                tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
-    raise HFError(f"{path}: model_type={kind!r} is not supported (llama, mistral without sliding window, gpt2)")
-
-
-def hf_config(arch: str, args: LlamaArgs | GPT2Args) -> dict:
-    """The HF ``config.json`` dict of fsdp2d model ``args`` (inverse of :func:`config_from_hf`)."""
-    if arch == "llama":
-        a = args
-        rope = {"rope_theta": a.rope_theta, "rope_type": "default", **(a.rope_scaling or {})}
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.dim,
-                "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-                "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
-                "intermediate_size": a.ffn_hidden_dim, "rms_norm_eps": a.norm_eps, "hidden_act": "silu",
-                "max_position_embeddings": a.max_seq_len, "rope_theta": a.rope_theta, "rope_parameters": rope,
-                "tie_word_embeddings": a.tie_embeddings, "attention_bias": False, "mlp_bias": False}
-    if not args.bias:
-        raise HFError("gpt2 without biases (GPT2Args.bias=False) has no Hugging Face GPT-2 equivalent")
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": args.n_embd,
-            "n_layer": args.n_layer, "n_head": args.n_head, "vocab_size": args.vocab_size,
-            "n_positions": args.block_size, "layer_norm_epsilon": args.layer_norm_eps, "n_inner": None,
-            "activation_function": "gelu_new", "tie_word_embeddings": args.tie_embeddings,
-            "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
-            # GPT-2's <|endoftext|> when the vocabulary has it (transformers' default is 50256)
-            **dict.fromkeys(("bos_token_id", "eos_token_id"), 50256 if args.vocab_size > 50256 else None)}
-
-
 def model_spec(model: nn.Module) -> dict:
     """``{"arch", "args"}`` of an fsdp2d model: JSON for a checkpoint's ``extra["model"]``,
     which ``export --format hf`` reads to write ``config.json``."""
@@ -196,77 +122,62 @@ def model_spec(model: nn.Module) -> dict:
 
 
 def args_from_spec(spec: dict) -> tuple[str, LlamaArgs | GPT2Args]:
-    cls = LlamaArgs if spec["arch"] == "llama" else GPT2Args
+    """The inverse of :func:`model_spec`, checked as a ``config.json`` would be (a spec is
+    read from a checkpoint's index: input like any other); :class:`HFError` if it is not
+    one an fsdp2d model could have written."""
+    arch = spec.get("arch") if isinstance(spec, dict) else None
+    if arch not in ("llama", "gpt2") or not isinstance(spec.get("args"), dict):
+        raise HFError(f"model spec {str(spec)[:80]!r}: needs {{'arch': 'llama' or 'gpt2', 'args': {{...}}}}")
+    cls = LlamaArgs if arch == "llama" else GPT2Args
     known = {f.name for f in fields(cls)}
-    return spec["arch"], cls(**{k: v for k, v in spec["args"].items() if k in known})
+    try:
+        args = cls(**{k: v for k, v in spec["args"].items() if k in known})
+        full = replace(args, bias=True) if arch == "gpt2" else args  # HF's GPT-2 always has biases
+        config_from_hf(hf_config(arch, full), "the checkpoint's model spec")  # types and ranges
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise HFError(f"the checkpoint's model spec: {exc}") from exc
+    return arch, args
 
 
 # ------------------------------------------------------------------------ loading
 
 
-@dataclass
-class ReadStats:
-    """What a load read from the HF files: bytes of tensor data and slices."""
+# ------------------------------------------------------------------------ loading
 
-    bytes: int = 0
-    slices: int = 0
+_LAYER = re.compile(r"^(?:model\.layers|transformer\.h|h)\.(\d+)\.")
+# (HF field, fsdp2d value, HF tensor, dim): config sizes a stored tensor's shape vouches for.
+_VOUCHED = {
+    "llama": (("vocab_size", "vocab_size", "model.embed_tokens.weight", 0),
+              ("hidden_size", "dim", "model.embed_tokens.weight", 1),
+              ("intermediate_size", "ffn_hidden_dim", "model.layers.0.mlp.gate_proj.weight", 0),
+              ("num_key_value_heads * head_dim", "kv_dim", "model.layers.0.self_attn.k_proj.weight", 0)),
+    "gpt2": (("vocab_size", "vocab_size", "transformer.wte.weight", 0),
+             ("n_embd", "n_embd", "transformer.wte.weight", 1),
+             ("n_positions", "block_size", "transformer.wpe.weight", 0)),
+}
+_DTYPE_NAMES = {"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32",
+                "U16": "uint16", "U8": "uint8", "BOOL": "bool"}
 
 
-class HFFolder:
-    """Lazy, sliced access to the safetensors of an HF folder (single file or sharded)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        elif (self.path / "model.safetensors").is_file():
-            with safe_open(self.path / "model.safetensors", framework="pt") as f:
-                self.weight_map = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise HFError(f"{self.path}: has neither model.safetensors nor model.safetensors.index.json")
-        self.stats = ReadStats()
-        self._files: dict[str, object] = {}
-
-    def config(self) -> dict:
-        cfg = self.path / "config.json"
-        if not cfg.is_file():
-            raise HFError(f"{self.path}: no config.json")
-        return json.loads(cfg.read_text())
-
-    def key(self, name: str) -> str:
-        """The stored key of HF tensor ``name`` (the original GPT-2 files lack ``transformer.``)."""
-        if name not in self.weight_map and name.removeprefix("transformer.") in self.weight_map:
-            return name.removeprefix("transformer.")
-        if name not in self.weight_map:
-            raise HFError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
-        return name
-
-    def _slice(self, name: str):
-        key = self.key(name)
-        fname = self.weight_map[key]
-        if fname not in self._files:
-            self._files[fname] = safe_open(self.path / fname, framework="pt").__enter__()
-        return self._files[fname].get_slice(key)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
-
-    def read(self, rule: Rule, box: Box, global_shape: tuple[int, ...]) -> torch.Tensor:
-        """The fsdp2d ``box`` of a tensor of ``global_shape`` that ``rule`` maps: only that
-        slice is read from disk."""
-        k, _ = rule.part
-        sl = list(box.slices())
-        sl[0] = slice(sl[0].start + k * global_shape[0], sl[0].stop + k * global_shape[0])
-        piece = self._slice(rule.hf)[tuple(reversed(sl)) if rule.transpose else tuple(sl)]
-        self.stats.bytes += piece.numel() * piece.element_size()
-        self.stats.slices += 1
-        return piece.T if rule.transpose else piece
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.__exit__(None, None, None)
-        self._files.clear()
+def check_sizes(folder: HFFolder, arch: str, args: LlamaArgs | GPT2Args) -> None:
+    """The config's sizes that the files vouch for (layers, vocabulary, widths), compared
+    before a model is built: a config that lies about them never allocates, and the
+    error names the field (the tensor-by-tensor check that follows names tensors)."""
+    cfg_path = folder.path / CONFIG
+    n_layers = args.n_layers if arch == "llama" else args.n_layer
+    stored = {int(m.group(1)) for k in folder.meta if (m := _LAYER.match(k))}
+    if stored != set(range(n_layers)):
+        raise HFError(f"{cfg_path}: {'num_hidden_layers' if arch == 'llama' else 'n_layer'}={n_layers} but the "
+                      f"weights hold {len(stored)} layers ({min(stored, default=None)}..{max(stored, default=None)})")
+    for field, ours, tensor, dim in _VOUCHED[arch]:
+        want = args.kv_heads * args.head_dim if ours == "kv_dim" else getattr(args, ours)
+        try:
+            shape = folder.shape(tensor)
+        except HFError:
+            continue  # the plan names the missing tensor
+        if len(shape) == 2 and shape[dim] != want:
+            raise HFError(f"{cfg_path}: {field}={want} but {tensor} in the weights has {shape[dim]} "
+                          f"{'rows' if dim == 0 else 'columns'}")
 
 
 def _expected_hf_shape(rule: Rule, global_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -274,22 +185,43 @@ def _expected_hf_shape(rule: Rule, global_shape: tuple[int, ...]) -> tuple[int, 
     return tuple(reversed(shape)) if rule.transpose else shape
 
 
-# Fields that change what the model computes without changing any tensor's shape.
-# (A tied checkpoint may fill an untied model: both copies start from the embedding.)
-_SEMANTIC = ("norm_eps", "rope_theta", "rope_scaling", "layer_norm_eps", "bias")
+def _plan(model: nn.Module, folder: HFFolder, arch: str, tied: bool) -> list:
+    """``[(entry, rule)]`` for every local piece of ``model``, after checking the whole set
+    against the files: every tensor present, of the right shape and a float dtype, and
+    no stored tensor left without a place. Touches no tensor data."""
+    from ..checkpoint._entries import model_entries  # models must import without checkpoint
+
+    plan, used = [], set()
+    for e in model_entries(model):
+        fqn = e.name.removeprefix("model/")
+        rule = hf_rule(arch, fqn, tied)
+        key = folder.key(rule.hf)
+        used.add(key)
+        want, got = _expected_hf_shape(rule, e.global_shape), folder.shape(key)
+        if got != want:
+            raise HFError(f"{folder.path}: {rule.hf} has shape {got}, {fqn} needs {want}")
+        if (dtype := folder.dtype(key)) not in FLOAT_DTYPES:
+            raise HFError(f"{folder.path / folder.meta[key][2]}: {key} is stored as {dtype} "
+                          f"({_DTYPE_NAMES.get(dtype, dtype)}); fsdp2d loads float weights only "
+                          f"({', '.join(FLOAT_DTYPES)})")
+        plan.append((e, fqn, rule))
+    unused = sorted(k for k in folder.meta if k not in used and not _IGNORED.match(k))
+    if unused:
+        raise HFError(f"{folder.path}: tensors with no place in fsdp2d's {arch} model: {unused[:5]}"
+                      + (f" (+{len(unused) - 5} more)" if len(unused) > 5 else ""))
+    return plan
 
 
-def _check_args(model: nn.Module, args: LlamaArgs | GPT2Args, path: Path) -> str:
-    spec = model_spec(model)
-    if not isinstance(args, type(model.args)):
-        raise HFError(f"{path}: holds a {type(args).__name__} model, not the {type(model).__name__} given")
-    for name in _SEMANTIC:
-        if hasattr(args, name) and getattr(args, name) != getattr(model.args, name):
-            raise HFError(f"{path}: config gives {name}={getattr(args, name)!r}, the model has "
-                          f"{getattr(model.args, name)!r}; build the model with config_from_hf's args")
-    if model.args.tie_embeddings and not args.tie_embeddings:
-        raise HFError(f"{path}: the model ties its head to the embedding, the checkpoint has its own head")
-    return spec["arch"]
+def _read(folder: HFFolder, rule: Rule, box: Box, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """The fsdp2d ``box`` of a tensor of ``global_shape`` that ``rule`` maps: only that
+    slice is read from disk."""
+    k, _ = rule.part
+    sl = list(box.slices())
+    sl[0] = slice(sl[0].start + k * global_shape[0], sl[0].stop + k * global_shape[0])
+    piece = folder.slice(rule.hf)[tuple(reversed(sl)) if rule.transpose else tuple(sl)]
+    folder.stats.bytes += piece.numel() * piece.element_size()
+    folder.stats.slices += 1
+    return piece.T if rule.transpose else piece
 
 
 @torch.no_grad()
@@ -299,40 +231,37 @@ def load_hf_into(model: nn.Module, path: str | os.PathLike) -> ReadStats:
     Works on the model as built for training: after ``parallelize_module`` /
     ``fully_shard`` and ``to_empty``. Each local piece (via the checkpoint enumeration
     ``model_entries``) reads exactly its own box from disk, so a rank reads its shards,
-    not the model. No collective: call it on every rank, or on one process. Raises
-    :class:`HFError` for a missing or misshapen HF tensor, an HF tensor the table does
-    not place, a config that disagrees with the model, or meta (unmaterialised) pieces.
+    not the model. No collective: call it on every rank, or on one process.
+
+    Everything is checked before the first byte reaches the model, so a refusal leaves
+    it untouched: raises :class:`HFError` for a file outside the folder (``..``, absolute,
+    symlinked out), a damaged config, index or safetensors file, a config field that
+    computes something else than the model (heads, kv heads, eps, RoPE, sizes, ...), a
+    missing, misshapen, non-float or unplaced tensor, or meta (unmaterialised) pieces.
     Returns the bytes and slices read on this rank.
     """
-    from ..checkpoint._entries import model_entries  # models must import without checkpoint
-
-    folder = HFFolder(path)
-    try:
-        args = config_from_hf(folder.config(), str(folder.path / "config.json"))[1]
-        arch = _check_args(model, args, folder.path)
-        used = set()
-        for e in model_entries(model):
-            fqn = e.name.removeprefix("model/")
+    with HFFolder(path) as folder:
+        args = config_from_hf(folder.config(), str(folder.path / CONFIG))[1]
+        arch = model_spec(model)["arch"]
+        check_against_model(arch, args, model.args, str(folder.path / CONFIG))
+        check_sizes(folder, arch, args)
+        plan = _plan(model, folder, arch, args.tie_embeddings)
+        for e, fqn, _ in plan:
             if e.tensor.is_meta:
                 raise HFError(f"{fqn} is on the meta device: call model.to_empty(device=...) before loading")
-            rule = hf_rule(arch, fqn, args.tie_embeddings)
-            used.add(folder.key(rule.hf))
-            want, got = _expected_hf_shape(rule, e.global_shape), folder.shape(rule.hf)
-            if got != want:
-                raise HFError(f"{folder.path}: {rule.hf} has shape {got}, {fqn} needs {want}")
-            if e.box.numel():
-                e.tensor.copy_(folder.read(rule, e.box, e.global_shape))
-        unused = sorted(k for k in folder.weight_map if k not in used and not _IGNORED.match(k))
-        if unused:
-            raise HFError(f"{folder.path}: tensors with no place in fsdp2d's {arch} model: {unused[:5]}"
-                          + (f" (+{len(unused) - 5} more)" if len(unused) > 5 else ""))
+        for e, fqn, rule in plan:
+            if not e.box.numel():
+                continue
+            try:
+                e.tensor.copy_(_read(folder, rule, e.box, e.global_shape))
+            except Exception as exc:  # an I/O error after validation: say the model is partial
+                raise HFError(f"{folder.path}: reading {rule.hf} for {fqn} failed after every check passed "
+                              f"({exc}); the model is partially loaded: load it again") from exc
         if isinstance(model, Llama):  # the one buffer: not in files, garbage after to_empty
             a = model.args
             model.rope_cache = precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, model.rope_cache.device,
                                                a.rope_scaling)
         return folder.stats
-    finally:
-        folder.close()
 
 
 def from_hf(path: str | os.PathLike, *, device: torch.device | str = "cpu",
@@ -341,19 +270,26 @@ def from_hf(path: str | os.PathLike, *, device: torch.device | str = "cpu",
 
     One process, unparallelized: for a mesh, build the model on meta, parallelize it,
     ``to_empty`` and call :func:`load_hf_into` (see the README). ``max_seq_len``
-    overrides Llama's RoPE table length (HF's ``max_position_embeddings``).
+    overrides Llama's RoPE table length (HF's ``max_position_embeddings``). The config
+    is checked against the files' tensors (every name, shape and dtype) on the meta
+    device, before anything is allocated; refusals are :class:`HFError` (see
+    :func:`load_hf_into`).
 
     Example::
 
         model = fsdp2d.models.from_hf("path/to/hf_folder")
         logits = model(tokens)  # (B, T, V), equal to transformers' AutoModelForCausalLM
     """
-    folder = Path(path)
-    arch, args = config_from_hf(HFFolder(folder).config(), str(folder / "config.json"))
-    if max_seq_len is not None and arch == "llama":
-        args.max_seq_len = max_seq_len
-    with torch.device("meta"):
-        model = (Llama if arch == "llama" else GPT2)(args)
+    with HFFolder(path) as folder:
+        arch, args = config_from_hf(folder.config(), str(folder.path / CONFIG))
+        if max_seq_len is not None and arch == "llama":
+            if type(max_seq_len) is not int or not 1 <= max_seq_len <= MAX_SIZE:
+                raise HFError(f"from_hf: max_seq_len={max_seq_len!r} must be an integer in [1, {MAX_SIZE}]")
+            args.max_seq_len = max_seq_len
+        check_sizes(folder, arch, args)
+        with torch.device("meta"):
+            model = (Llama if arch == "llama" else GPT2)(args)
+        _plan(model, folder, arch, args.tie_embeddings)
     model.to_empty(device=device)
-    load_hf_into(model, folder)
+    load_hf_into(model, path)
     return model.to(dtype)

@@ -65,6 +65,10 @@ def resolve(config: str, overrides: list[str], world: int | None) -> JobConfig:
 
 
 def _world(args: argparse.Namespace) -> int | None:
+    for flag, value in (("--world-size", args.world_size), ("--nodes", args.nodes),
+                        ("--gpus-per-node", args.gpus_per_node)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag}={value} must be at least 1")
     if args.nodes is not None:
         if args.world_size is not None:
             raise ConfigError("give --world-size or --nodes (with --gpus-per-node), not both")

@@ -487,11 +487,13 @@ def _check_ranges(cfg: JobConfig, errors: list[str]) -> None:
     """Per-field bounds: (value, ok, what it must be)."""
     m, p, d, o, t, c = cfg.model, cfg.parallel, cfg.data, cfg.optim, cfg.training, cfg.checkpoint
     rules = [
-        ("model.dim", m.dim, m.dim >= 1, ">= 1"),
-        ("model.n_layers", m.n_layers, m.n_layers >= 1, ">= 1"),
-        ("model.n_heads", m.n_heads, m.n_heads >= 1, ">= 1"),
-        ("model.vocab_size", m.vocab_size, m.vocab_size >= 1, ">= 1"),
-        ("model.max_seq_len", m.max_seq_len, m.max_seq_len >= 1, ">= 1"),
+        # Upper bounds far above any released model (405B: dim 16384, 126 layers) and far
+        # below sizes whose meta model alone would take minutes to build (plan, train).
+        ("model.dim", m.dim, 1 <= m.dim <= 2**18, f"in [1, {2**18}]"),
+        ("model.n_layers", m.n_layers, 1 <= m.n_layers <= 4096, "in [1, 4096]"),
+        ("model.n_heads", m.n_heads, 1 <= m.n_heads <= 2**14, f"in [1, {2**14}]"),
+        ("model.vocab_size", m.vocab_size, 1 <= m.vocab_size <= 2**24, f"in [1, {2**24}]"),
+        ("model.max_seq_len", m.max_seq_len, 1 <= m.max_seq_len <= 2**24, f"in [1, {2**24}]"),
         ("parallel.dp", p.dp, p.dp >= 1, ">= 1"),
         ("parallel.tp", p.tp, p.tp >= 1, ">= 1"),
         ("parallel.hsdp_replicate", p.hsdp_replicate, p.hsdp_replicate >= 1, ">= 1"),

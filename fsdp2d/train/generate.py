@@ -10,6 +10,7 @@ cache: each new token re-runs the (short) context, which is plenty for small mod
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tomllib
 from pathlib import Path
@@ -18,14 +19,15 @@ import torch
 
 from fsdp2d import checkpoint
 from fsdp2d.models import GPT2, Llama
-from fsdp2d.models.hf import args_from_spec
+from fsdp2d.models.hf import HFError, args_from_spec
 
 __all__ = ["load_model", "sample", "main"]
 
 
 def load_model(ckpt: str | Path) -> torch.nn.Module:
     """The fsdp2d model of checkpoint ``ckpt``, full weights on this process, eval mode."""
-    spec = checkpoint.read_index(ckpt).get("extra", {}).get("model")
+    index = checkpoint.read_index(ckpt)
+    spec = index.get("extra", {}).get("model") or index.get("model")
     if spec is None:
         raise checkpoint.CheckpointError(f"{ckpt}: no extra['model'] (saved by an older fsdp2d train?): "
                                          f"cannot tell which model to build")
@@ -70,6 +72,22 @@ def _codec(ckpt: Path, tokenizer: str | None):
     return (lambda s: tok.encode(s, add_special_tokens=False).ids), tok.decode
 
 
+def _prompt_ids(ckpt: Path, tokenizer: str | None, prompt: str, model: torch.nn.Module) -> list[int]:
+    """The prompt's ids; ``ValueError`` for an unreadable tokenizer, an empty prompt or ids
+    outside the model's vocabulary (a tokenizer that is not the run's)."""
+    try:
+        encode, _ = _codec(ckpt, tokenizer)
+    except Exception as exc:  # tokenizers raises a bare Exception for a missing or damaged file
+        raise ValueError(f"--tokenizer {tokenizer}: cannot be read: {exc}") from exc
+    ids = encode(prompt)
+    if not ids:
+        raise ValueError(f"--prompt {prompt!r} encodes to no tokens")
+    if max(ids) >= model.args.vocab_size:
+        raise ValueError(f"the prompt's token id {max(ids)} is outside the model's vocabulary "
+                         f"({model.args.vocab_size}): is --tokenizer the run's?")
+    return ids
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fsdp2d generate", description="sample text from a checkpoint")
     parser.add_argument("ckpt", help="a checkpoint folder, e.g. runs/debug_cpu/checkpoints/step_00000300")
@@ -80,14 +98,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="'bytes' or a tokenizer.json (default: the run's)")
     args = parser.parse_args(argv)
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--top-k", args.top_k),
+                        ("--temperature", args.temperature)):
+        if not (math.isfinite(value) and value >= 0):
+            parser.error(f"{flag}={value} must be a finite number >= 0")
     ckpt = Path(args.ckpt)
     try:
         model = load_model(ckpt)
-    except checkpoint.CheckpointError as exc:
+        ids = _prompt_ids(ckpt, args.tokenizer, args.prompt, model)
+    except (checkpoint.CheckpointError, HFError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    encode, decode = _codec(ckpt, args.tokenizer)
-    ids = encode(args.prompt)
+    _, decode = _codec(ckpt, args.tokenizer)
     out = sample(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     print(decode(out))
     return 0

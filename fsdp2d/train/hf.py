@@ -10,23 +10,24 @@ checkpoint as an HF folder ``RUN/hf`` that ``transformers`` loads.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from fsdp2d.models.hf import HFError, config_from_hf
+from fsdp2d.models.hf import HFError, HFFolder, check_sizes, config_from_hf
 
 from .config import ConfigError, JobConfig, ModelConfig
 
 
 def _read(path: str) -> tuple[str, Any]:
-    cfg_path = Path(path) / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"model.init_from={path!r}: no config.json there (a Hugging Face model folder)")
+    """The HF folder's architecture, read as :func:`fsdp2d.models.from_hf` reads it: only
+    files inside the folder, every field checked, the sizes compared with the weights."""
     try:
-        return config_from_hf(json.loads(cfg_path.read_text()), str(cfg_path))
+        with HFFolder(path) as folder:
+            arch, args = config_from_hf(folder.config(), str(Path(path) / "config.json"))
+            check_sizes(folder, arch, args)
+            return arch, args
     except HFError as exc:
-        raise ConfigError(f"model.init_from: {exc}") from exc
+        raise ConfigError(f"model.init_from={path!r}: {exc}") from exc
 
 
 def hf_args(m: ModelConfig) -> Any:

@@ -100,6 +100,7 @@ def pretokenize(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str =
     """
     files = list_files(resolve_data_path(src), TEXT_SUFFIXES)
     out = Path(out)
+    _refuse_overwriting_inputs(files, tokenizer, out)
     sources = _sources(files, tokenizer)
     done = read_manifest(out)
     if done is not None and {k: done.get(k) for k in sources} == sources and (out / TOKENS).is_file():
@@ -109,10 +110,34 @@ def pretokenize(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str =
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # a crash midway leaves no manifest: redone next time
     bar = _Progress(sum(f.stat().st_size for f in files), len(files), progress)
+    partial = out / f".{TOKENS}.{os.getpid()}.partial"  # renamed over tokens.bin once complete
+    try:
+        count = _write_tokens(files, tokenizer, fmt, partial, workers, bar)
+        os.replace(partial, out / TOKENS)
+    finally:
+        partial.unlink(missing_ok=True)
+    manifest = {**sources, "format": fmt, "tokens": count, "vocab_size": vocab}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _refuse_overwriting_inputs(files: list[Path], tokenizer: str, out: Path) -> None:
+    """``out/tokens.bin`` and ``out/manifest.json`` must not be a source or the tokenizer:
+    opening one for writing would truncate the input it is about to read."""
+    outputs = {os.path.realpath(out / name): name for name in (TOKENS, MANIFEST)}
+    inputs = [*files, *([] if tokenizer == "bytes" else [Path(tokenizer)])]
+    for f in inputs:
+        if (real := os.path.realpath(f)) in outputs:
+            raise ValueError(f"pretokenize: the output {out / outputs[real]} is the input {f}; "
+                             f"choose an output folder that holds none of the inputs' names")
+
+
+def _write_tokens(files: list[Path], tokenizer: str, fmt: str, path: Path, workers: int | None,
+                  bar: _Progress) -> int:
+    """Tokenize ``files`` in a process pool into ``path``, in order; the token count."""
     count, done_bytes = 0, 0
     ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-    with open(out / TOKENS, "wb") as sink, ctx.Pool(workers or os.cpu_count() or 1, _init_worker,
-                                                    (tokenizer,)) as pool:
+    with open(path, "wb") as sink, ctx.Pool(workers or os.cpu_count() or 1, _init_worker, (tokenizer,)) as pool:
         for i, ids in enumerate(pool.imap(_encode_file, [str(f) for f in files], chunksize=1)):
             if ids.size and ids.max() >= 2 ** (16 if fmt == "uint16" else 32):
                 raise ValueError(f"{files[i]}: token id {ids.max()} does not fit {fmt}")
@@ -120,9 +145,7 @@ def pretokenize(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str =
             count += ids.size
             done_bytes += files[i].stat().st_size
             bar.update(done_bytes, i + 1)
-    manifest = {**sources, "format": fmt, "tokens": count, "vocab_size": vocab}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return manifest
+    return count
 
 
 def apply_pretokenize(cfg, *, may_work: bool) -> None:
@@ -154,6 +177,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
     args = parser.parse_args(argv)
-    m = pretokenize(args.src, args.out, args.tokenizer, workers=args.workers)
+    if args.workers is not None and args.workers < 1:
+        parser.error(f"--workers={args.workers} must be at least 1")
+    try:
+        m = pretokenize(args.src, args.out, args.tokenizer, workers=args.workers)
+    except (OSError, ValueError, ConfigError) as exc:  # a missing source, an output over an input
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"{m['tokens']} tokens ({m['format']}, vocab {m['vocab_size']}) in {Path(args.out) / TOKENS}")
     return 0

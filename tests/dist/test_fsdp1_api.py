@@ -166,6 +166,14 @@ def job_errors() -> dict:
     m = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), device_id=cpu)
     out["summon_rank0_writeback"] = capture_error(
         lambda: FSDP.summon_full_params(m, rank0_only=True, writeback=True).__enter__())
+    # An optimizer stepped over another model: its state used to come back as {'state': {}}.
+    other = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), device_id=cpu)
+    foreign = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other(torch.ones(2, 4)).sum().backward()
+    foreign.step()
+    out["foreign_optim"] = capture_error(lambda: FSDP.optim_state_dict(m, foreign))
+    saved = FSDP.optim_state_dict(other, foreign)
+    out["foreign_optim_load"] = capture_error(lambda: FSDP.optim_state_dict_to_load(m, foreign, saved))
     return out
 
 
@@ -199,6 +207,8 @@ def test_fsdp1_construction_arguments_and_hooks(pool):
     ("wrapped_twice", "ValueError", "already wrapped"),
     ("rekey", "NotImplementedError", "optim_state_dict_to_load"),
     ("summon_rank0_writeback", "NotImplementedError", "writeback=False"),
+    ("foreign_optim", "ValueError", "not a parameter of the model"),
+    ("foreign_optim_load", "ValueError", "not a parameter of the model"),
 ])
 def test_fsdp1_rejects_clearly(pool, case, kind, words):
     if "r" not in _ERRORS:  # one pool job for every case

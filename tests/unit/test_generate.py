@@ -26,3 +26,23 @@ def test_greedy_generation_follows_the_model(tmp_path, capsys):
     assert a[:4] == prompt and a != b and sample(loaded, prompt, 10, temperature=1.0, seed=1) == a
     assert main(["generate", str(ckpt), "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == bytes(ids).decode(errors="replace") + "\n"
+
+
+def test_bad_arguments_are_one_line(tmp_path, capsys):
+    """Issue 21: bad arguments used to end in tracebacks from deep inside sampling."""
+    import pytest
+
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs(dim=16, n_layers=1, n_heads=2, vocab_size=64, multiple_of=8, max_seq_len=8))
+    ckpt = tmp_path / "ckpt"
+    checkpoint.save(ckpt, model)  # no extra: the spec save records is enough
+    for flag, value in (("--max-new-tokens", "-1"), ("--top-k", "-2"), ("--temperature", "nan")):
+        with pytest.raises(SystemExit):
+            main(["generate", str(ckpt), flag, value])
+        assert f"{flag}=" in capsys.readouterr().err
+    for argv, words in (([str(tmp_path / "nope")], "nope"), ([str(ckpt), "--prompt", ""], "no tokens"),
+                        ([str(ckpt), "--prompt", "zz"], "vocabulary (64)"),
+                        ([str(ckpt), "--tokenizer", str(tmp_path / "tok.json")], "tok.json")):
+        assert main(["generate", *argv]) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and words in err, (argv, err)

@@ -81,3 +81,24 @@ def test_train_option_and_cli(corpus, tmp_path, capsys):
     bytes_cfg = load_config(None, [f"--data.path={src}", f"--data.pretokenize={tmp_path / 'b'}"])
     apply_pretokenize(bytes_cfg, may_work=True)
     assert os.path.getsize(tmp_path / "b" / TOKENS) == 2 * sum(f.stat().st_size for f in src.iterdir())
+
+
+def test_an_output_that_is_an_input_is_refused(tmp_path, capsys):
+    """``fsdp2d pretokenize d/tokens.bin d`` used to truncate its own source to 0 bytes."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "tokens.bin").write_bytes(b"precious text")
+    with pytest.raises(ValueError, match="is the input"):
+        pretokenize(d / "tokens.bin", d, workers=1, progress=False)
+    assert main([str(d / "tokens.bin"), str(d)]) == 1
+    assert "is the input" in capsys.readouterr().err
+    assert (d / "tokens.bin").read_bytes() == b"precious text"
+
+
+def test_bad_arguments_are_one_line(tmp_path, capsys):
+    assert main([str(tmp_path / "nope"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "nope" in err
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), str(tmp_path / "out"), "--workers", "0"])
+    assert "--workers=0" in capsys.readouterr().err

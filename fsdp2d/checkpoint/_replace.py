@@ -1,0 +1,76 @@
+"""Exports replace the model files of an earlier export as a set.
+
+An export folder may already hold an earlier export, of another layout (one
+``model.safetensors`` then, shards and an index now, or the reverse). Writing over it
+file by file would leave the old index or shards beside the new weights, and a reader
+(transformers, :func:`fsdp2d.models.from_hf`) could load the old model. So an export is
+written into a staging folder inside ``out`` (same file system: renames are atomic),
+then :func:`_swap` moves the old model files aside and the new ones in; other files
+(a tokenizer, a README) stay. A failed export leaves the previous one as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from ._index import CheckpointError
+
+__all__ = ["write_replacing"]
+
+# The files an export owns in its folder (both formats), replaced as a set.
+_MODEL_FILES = re.compile(r"(model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors|"
+                          r"(generation_)?config\.json|fsdp2d\.index\.json)")
+
+
+def write_replacing(out: Path, ckpt: Path, write: Callable[[Path], list[str]]) -> list[Path]:
+    """``write(stage)`` writes a complete export into a staging folder and returns the
+    names to report; they then replace ``out``'s model files. Returns ``out / name``."""
+    if os.path.realpath(out) == os.path.realpath(ckpt):
+        raise CheckpointError(f"{out} is the checkpoint being exported: export into another folder")
+    out.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".fsdp2d-export-", dir=out))
+    try:
+        reported = write(stage)
+        _swap(stage, out, sorted(p.name for p in stage.iterdir()))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return [out / name for name in reported]
+
+
+def _swap(stage: Path, out: Path, names: list[str]) -> None:
+    """Replace the model files of ``out`` (an earlier export's, whatever its layout) by the
+    complete set in ``stage``. The old ones move aside first, into the stage, so no stale
+    index or shard stays beside the new weights; a failure midway moves them back."""
+    aside = stage / ".previous"
+    aside.mkdir()
+    moved, placed = [], []
+    try:
+        for p in sorted(out.iterdir()):
+            if _MODEL_FILES.fullmatch(p.name) and not p.is_dir():
+                os.replace(p, aside / p.name)
+                moved.append(p.name)
+        for name in names:
+            os.replace(stage / name, out / name)
+            placed.append(name)
+    except BaseException:
+        for name in placed:
+            os.replace(out / name, stage / name)
+        for name in moved:
+            os.replace(aside / name, out / name)
+        raise
+    _fsync_dir(out)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+

@@ -1,0 +1,80 @@
+"""``export --format hf`` over an earlier export (issue 21): the folder's model files are
+replaced as a whole (no stale index or shards left beside the new weights), other files
+stay, and a failed export leaves the previous one loadable."""
+
+import pytest
+import torch
+
+from fsdp2d import checkpoint
+from fsdp2d.checkpoint._hf import export_hf
+from fsdp2d.models import from_hf
+from fsdp2d.models.hf import model_spec
+
+from .test_hf_hostile import llama, logits
+
+
+def _ckpt(model, path):
+    checkpoint.save(path, model, extra={"model": model_spec(model)})
+    return path
+
+
+def test_export_over_an_earlier_sharded_export(tmp_path):
+    old, new, out = llama(seed=1), llama(seed=2), tmp_path / "out"
+    export_hf(_ckpt(old, tmp_path / "c1"), out, max_shard_bytes=8_000)
+    assert (out / "model.safetensors.index.json").is_file()
+    (out / "tokenizer.json").write_text("{}")  # the user's files beside the model stay
+    export_hf(_ckpt(new, tmp_path / "c2"), out)
+    left = sorted(p.name for p in out.iterdir())
+    assert left == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"], left
+    assert torch.equal(logits(from_hf(out)), logits(new))
+
+
+def test_a_failed_export_keeps_the_old_one(tmp_path, monkeypatch):
+    old, out = llama(seed=1), tmp_path / "out"
+    export_hf(_ckpt(old, tmp_path / "c1"), out, max_shard_bytes=8_000)
+    files = sorted(p.name for p in out.iterdir())
+    import fsdp2d.checkpoint._hf as E
+
+    calls = []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError("disk full")
+        return real(*a, **kw)
+
+    real = E._assemble
+    monkeypatch.setattr(E, "_assemble", failing)
+    with pytest.raises(OSError, match="disk full"):
+        export_hf(_ckpt(llama(seed=2), tmp_path / "c2"), out)
+    assert sorted(p.name for p in out.iterdir()) == files
+    assert torch.equal(logits(from_hf(out)), logits(old))
+
+
+
+
+@pytest.mark.parametrize("spec", [{"arch": "bert", "args": {}}, {"arch": "llama"}, "llama",
+                                  {"arch": "llama", "args": {"dim": "32"}}, {"arch": "llama", "args": {"n_heads": 0}},
+                                  {"arch": "gpt2", "args": {"n_layer": -1}}])
+def test_a_hostile_model_spec_is_one_hferror(tmp_path, spec):
+    from fsdp2d.models.hf import HFError
+
+    with pytest.raises(HFError, match="spec"):
+        export_hf(_ckpt(llama(seed=1), tmp_path / "c"), tmp_path / "out", spec=spec)
+
+
+def test_fsdp2d_export_over_an_earlier_one(tmp_path):
+    """The same for the fsdp2d-format export: a single-file export over a sharded one
+    leaves no stale index or shard (transformers would read the stale index otherwise)."""
+    from fsdp2d.checkpoint import CheckpointError, export
+
+    old, new, out = llama(seed=1), llama(seed=2), tmp_path / "out"
+    export(_ckpt(old, tmp_path / "c1"), out, max_shard_bytes=8_000)
+    assert (out / "model.safetensors.index.json").is_file()
+    export(_ckpt(new, tmp_path / "c2"), out)
+    assert sorted(p.name for p in out.iterdir()) == ["fsdp2d.index.json", "model.safetensors"]
+    loaded = llama(seed=3)
+    checkpoint.load(out, loaded)
+    assert torch.equal(logits(loaded), logits(new))
+    with pytest.raises(CheckpointError, match="checkpoint being exported"):
+        export(tmp_path / "c2", tmp_path / "c2")
