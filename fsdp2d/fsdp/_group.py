@@ -201,14 +201,22 @@ class FSDPParamGroup:
         return (_OPTIMIZER_STEPS[0], *(f._version for f in self.flats.values()),
                 *(p.expected_local._version for p in self.params))
 
+    @property
+    def gathering(self) -> bool:
+        """An all-gather is in flight (a prefetch not yet waited for)."""
+        return self._gather is not None
+
     def unshard(self, async_op: bool = False) -> None:
-        if self.unsharded and self._shard_versions() != self._gathered_versions:
-            self.reshard()  # shards changed since the gather (optimizer step, load): stale
-        if self.unsharded or self._gather is not None:
+        if (self.unsharded or self.gathering) and self._shard_versions() != self._gathered_versions:
+            # The shards changed since the gather was sent (optimizer step, load): what it
+            # brings, or brought, is stale. Free it and gather the current shards.
+            self.reshard()
+        if self.unsharded or self.gathering:
             if not async_op:
                 self.wait_unshard()
             return
         send = self._send_buffer(self.param_dtype)
+        self._gathered_versions = self._shard_versions()  # what is sent, not what is there at the wait
         self.counts["all_gather"] += 1
         if self.k == 1:
             self._gather = (None, send)
@@ -232,10 +240,13 @@ class FSDPParamGroup:
                                         out=[p.padded.view(self.k, -1) for p in self.params])
         self._gather = None
         self.unsharded = True
-        self._gathered_versions = self._shard_versions()
 
     def reshard(self) -> None:
-        self.wait_unshard()
+        if self._gather is not None:  # finish the collective, drop what it brought
+            work = self._gather[0]
+            if work is not None:
+                work.wait()
+            self._gather = None
         for p in self.params:
             p.free_unsharded()
             p.register("sharded")
