@@ -94,6 +94,8 @@ class _Context:
                 g.reshard()
             g.wait_unshard()
             g.grads_ready = g.inputs_done = 0
+        for g in groups:  # offloaded gradients: on the host before backward() returns
+            g.wait_offload()
         for s in self.states:
             s.in_backward = False
         self.in_flight = None
