@@ -11,6 +11,12 @@ benchmark, before ``fsdp2d train`` collected explicitly: 2 in ~25). ``dist.
 destroy_process_group()`` does not help: it unregisters the groups, but the model still
 holds them. One collection from an ``atexit`` handler, which runs while the interpreter
 is still whole, destructs them on the main thread like any other object.
+
+Evidence: after ``examples/02``'s ``main()`` returns, its 3 FSDP groups (and the
+process groups they hold) are still alive and only a collection frees them; with this
+handler none is left when it has run. The abort itself did not recur here in 40 runs
+before the handler (machine less loaded than when it was reported), nor in 20 runs of
+each example after it.
 """
 
 from __future__ import annotations
