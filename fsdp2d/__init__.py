@@ -5,6 +5,7 @@ train; parameters at rest are torch DTensors (so torch's own tools read them), c
 is plain.
 """
 
+from . import _exit  # noqa: F401  (frees fsdp2d's cycles, and their process groups, before exit teardown)
 from .mesh import DeviceMesh, init_device_mesh
 from .placement import Layout, Partial, Placement, Replicate, Shard
 from .bridge import DTensorExtensions, LocalShard, from_dtensor, gather_full, to_dtensor

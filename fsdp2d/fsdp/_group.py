@@ -74,6 +74,7 @@ class FSDPParamGroup:
         self.unsharded = False
         self._gather: tuple[Any, torch.Tensor] | None = None
         self._reduce: tuple[Any, torch.Tensor] | None = None
+        self.offload_event: Any = None  # gradient copies to the host in flight (see finish_reduce)
         self.grads_ready = 0
         self.num_trainable = 0  # set by _sync_requires_grad
         # With frozen parameters: the module's forward inputs still awaiting their
@@ -202,14 +203,22 @@ class FSDPParamGroup:
         return (_OPTIMIZER_STEPS[0], *(f._version for f in self.flats.values()),
                 *(p.expected_local._version for p in self.params))
 
+    @property
+    def gathering(self) -> bool:
+        """An all-gather is in flight (a prefetch not yet waited for)."""
+        return self._gather is not None
+
     def unshard(self, async_op: bool = False) -> None:
-        if self.unsharded and self._shard_versions() != self._gathered_versions:
-            self.reshard()  # shards changed since the gather (optimizer step, load): stale
-        if self.unsharded or self._gather is not None:
+        if (self.unsharded or self.gathering) and self._shard_versions() != self._gathered_versions:
+            # The shards changed since the gather was sent (optimizer step, load): what it
+            # brings, or brought, is stale. Free it and gather the current shards.
+            self.reshard()
+        if self.unsharded or self.gathering:
             if not async_op:
                 self.wait_unshard()
             return
         send = self._send_buffer(self.param_dtype)
+        self._gathered_versions = self._shard_versions()  # what is sent, not what is there at the wait
         self.counts["all_gather"] += 1
         if self.k == 1:
             self._gather = (None, send)
@@ -233,10 +242,13 @@ class FSDPParamGroup:
                                         out=[p.padded.view(self.k, -1) for p in self.params])
         self._gather = None
         self.unsharded = True
-        self._gathered_versions = self._shard_versions()
 
     def reshard(self) -> None:
-        self.wait_unshard()
+        if self._gather is not None:  # finish the collective, drop what it brought
+            work = self._gather[0]
+            if work is not None:
+                work.wait()
+            self._gather = None
         for p in self.params:
             p.free_unsharded()
             p.register("sharded")
@@ -346,30 +358,53 @@ class FSDPParamGroup:
             return
         out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
         out = out.div_(self.divide_factor)  # the flag columns stay positive where some rank had one
+        # CPU offload: the sharded gradients go to the host. A new one is copied without
+        # blocking, so nothing here reads it: an event recorded after the copies is waited
+        # on once, at the end of backward (wait_offload), before an optimizer can read them
+        # on the CPU, as torch FSDP2 does. One added to an existing .grad is read by the
+        # CPU add at once, so that copy blocks (torch's rule too). (The next forward's
+        # copies of the shards to the device come before that event, so the optimizer's
+        # writes to the pinned shards cannot race them either.)
+        #
         # Where this rank had every trainable gradient, every trainable parameter gets one:
         # no need to read the flags (no host sync in a normal step, frozen parameters or
         # not). Otherwise the flags say which parameters some rank had a gradient for (all
         # ranks agree); the others keep .grad None, as in torch.
+        host = self._offloading(self.compute_device)
+        copied = False
         if self.flat_param is not None:  # one flat gradient (zeros where a rank had none)
             flat = self.flat_param
-            g = out[:self.total].to(flat.device, self.grad_dtype or flat.dtype, non_blocking=True)
+            g = out[:self.total].to(flat.device, self.grad_dtype or flat.dtype, non_blocking=flat.grad is None)
+            copied = host and flat.grad is None
             if flat.grad is None:
                 meta = flat._spec.tensor_meta._replace(dtype=g.dtype)
                 _set_grad(flat, as_dtensor(g, dataclasses.replace(flat._spec, tensor_meta=meta)))
             else:
                 local_of(flat.grad).add_(g)
-            return
-        had_grad = [float(p.requires_grad) for p in self.params] if all_had else out[self.total:].tolist()
-        for p, flag in zip(self.params, had_grad):
-            if flag <= 0:
-                continue
-            g = p.shard_in(out)
-            g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=True)
-            current = p.sharded.grad
-            if current is None:
-                _set_grad(p.sharded, as_dtensor(g, p.spec(g.dtype)))
-            else:
-                local_of(current).add_(g)
+        else:
+            had_grad = [float(p.requires_grad) for p in self.params] if all_had else out[self.total:].tolist()
+            for p, flag in zip(self.params, had_grad):
+                if flag > 0:
+                    copied = self._assign_grad(p, p.shard_in(out), host) or copied
+        if copied:
+            self.offload_event = _record_event(self.compute_device)
+
+    def _assign_grad(self, p: FSDPParam, g: torch.Tensor, host: bool) -> bool:
+        """Set or accumulate ``p``'s sharded gradient from ``g`` (its reduced shard on the
+        compute device); True when a copy to the host is left in flight."""
+        current = p.sharded.grad
+        g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=current is None)
+        if current is None:
+            _set_grad(p.sharded, as_dtensor(g, p.spec(g.dtype)))
+            return host
+        local_of(current).add_(g)
+        return False
+
+    def wait_offload(self) -> None:
+        """Block the host until this group's gradient copies to the CPU are done."""
+        if self.offload_event is not None:
+            self.offload_event.synchronize()
+            self.offload_event = None
 
     # -- exact gathers (summon_full_params) ----------------------------------------------
     def gather_exact(self) -> list[torch.Tensor]:
@@ -413,6 +448,13 @@ def _shard_source(p: FSDPParam, current: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"fully_shard: parameter {p.fqn!r} was replaced by a plain tensor of shape {tuple(current.shape)}; "
                      f"expected its global shape {p.layout.global_shape} or a DTensor (load full tensors with "
                      f"load_state_dict, not by assigning local pieces)")
+
+
+def _record_event(device: torch.device) -> Any:
+    """An event on ``device``'s current stream, after the work queued so far."""
+    event = torch.Event(device=device)
+    event.record()
+    return event
 
 
 def _set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -14,6 +14,10 @@ ready (pre-backward: all-gather again if resharded); post-accumulate-grad hooks 
 unsharded parameters count gradients, and the last one starts the reduce-scatter and
 reshards. A group with frozen parameters also waits for the gradients of its module's
 inputs (``InputsDone``): backward may still read a frozen weight after the last gradient.
+
+A forward that runs inside backward is an activation-checkpointing recompute that
+re-entered the module's ``__call__``: it gathers its own group only (no prefetch, no
+reshard after it; the post-backward reshards), see ``FSDPState._pre_recompute``.
 """
 
 from __future__ import annotations
@@ -83,9 +87,15 @@ class _Context:
                 self.post_backward(g)
         for g in groups:
             g.finish_reduce()
-            if g.reshard_after_backward and g.unsharded:
+            # A gather still in flight here is one no hook of this backward waited for (a
+            # prefetch of a group that did not run): finish it (nothing crosses the
+            # optimizer step in flight) and reshard per the policy.
+            if g.reshard_after_backward and (g.unsharded or g.gathering):
                 g.reshard()
+            g.wait_unshard()
             g.grads_ready = g.inputs_done = 0
+        for g in groups:  # offloaded gradients: on the host before backward() returns
+            g.wait_offload()
         for s in self.states:
             s.in_backward = False
         self.in_flight = None
@@ -121,6 +131,8 @@ class FSDPState:
     def pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.ctx is None:
             self._lazy_init()
+        if _in_backward():
+            return self._pre_recompute(args, kwargs)
         ctx = self.ctx
         if self.is_root and (ctx.callback_queued or any(s.in_backward for s in ctx.states)):
             ctx.recover()  # the previous backward raised before its callback could run
@@ -147,11 +159,37 @@ class FSDPState:
             args, kwargs = _inputs_done_hook(group, (args, kwargs))  # see FSDPParamGroup.backward_done
         return args, kwargs
 
+    def _pre_recompute(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The forward hook of an activation-checkpointing recompute: a checkpoint that
+        calls the module itself (``checkpoint(block, x)``, transformers' pre-5
+        ``GradientCheckpointingLayer``) runs these hooks again inside backward. Gather
+        this group only (a no-op when its pre-backward hook or a backward prefetch already
+        did): the recompute and then the group's own backward use it, and its
+        post-backward reshards it. No forward prefetch (the next group's backward is
+        over: nothing would use or free that gather), no forward order, no list
+        bookkeeping (a non-reentrant recompute may stop early, mid-forward), as torch's
+        FSDP2 in its pre-backward state."""
+        group = self.group
+        if group is not None:
+            group.unshard()
+            group.register_unsharded()
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
+        # A reentrant recompute backpropagates its own graph, and its first forward ran
+        # without autograd (no input tokens then): wait for the recompute's inputs. A
+        # non-reentrant one's graph only supplies saved tensors: its forward's tokens stand.
+        if group is not None and group.num_trainable < len(group.params) and torch.is_grad_enabled() \
+                and not group.input_waits:
+            args, kwargs = _inputs_done_hook(group, (args, kwargs))
+        return args, kwargs
+
     def post_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         # With autograd off no backward will reshard: do it now (the root included), or an
         # optimizer step before the next forward would leave stale unsharded weights. (A
         # grad-enabled forward never followed by backward leaves the root unsharded; its
         # next unshard re-gathers if the shards changed meanwhile, see unshard.)
+        if _in_backward():  # a recompute (see _pre_recompute): the group's post-backward reshards
+            return self._hook_output(output)
         self._pending.discard(id(module))
         last = not self._pending
         reshard = last and self.group is not None and not self.in_backward and \
@@ -160,6 +198,11 @@ class FSDPState:
             self.group.reshard()
         if self.is_root and self.ctx.recording:
             self.ctx.recording = False
+        return self._hook_output(output)
+
+    def _hook_output(self, output: Any) -> Any:
+        """Cast the output and hook its gradient (pre-backward). In a recompute the hook
+        matters for a reentrant checkpoint, whose recomputed graph is backpropagated."""
         if self.mp.output_dtype is not None:
             output = _cast(output, self.mp.output_dtype)
         if torch.is_grad_enabled():
@@ -180,6 +223,12 @@ class FSDPState:
         for s in prefetch:
             if s.group is not None and not s.in_backward:
                 s.group.unshard(async_op=True)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a forward now is a
+    checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _Token:

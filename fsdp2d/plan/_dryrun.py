@@ -8,7 +8,7 @@ inside it materialises the shards (``to_empty``), runs one warm-up step (lazy se
 optimizer state) and one measured step under :class:`~fsdp2d.plan._probe.StepProbe`.
 
 The measured step is the trainer's (``Trainer.train_step``): ``accum`` micro-batches
-of ``micro_batch x seq_len`` tokens, gradient sync on the last one only, the
+of ``micro_batch x seq_len`` tokens, gradient sync per ``training.grad_sync``, the
 trainer's loss (vocab-parallel under ``parallel.loss_parallel``), global-norm clipping,
 AdamW (``foreach`` on CUDA, torch's default there), ``zero_grad``. Micro-batches 2 to
 ``accum - 1`` are the same step after step (same ops, same live memory: the gradient
@@ -95,7 +95,7 @@ def trainer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: JobCon
     """The trainer's step with every micro-batch, unmeasured (the checks' real run)."""
     accum = cfg.accum_steps
     for m in range(accum):
-        model.set_requires_gradient_sync(m == accum - 1)
+        model.set_requires_gradient_sync(cfg.syncs_gradients(m))
         _micro_step(model, cfg, x, y, None, m)
     _optimizer_step(list(model.parameters()), opt, cfg)
     if zero_grad:
@@ -136,7 +136,7 @@ def measure_step(model: torch.nn.Module, opt: "torch.optim.Optimizer | ShardOpti
     accum = cfg.accum_steps
     with probe:
         for m in sorted({0, accum - 1}):
-            model.set_requires_gradient_sync(m == accum - 1)
+            model.set_requires_gradient_sync(cfg.syncs_gradients(m))
             before = _snapshot(probe)
             _micro_step(model, cfg, x, y, probe, m)
             if m == 0:  # micro-batches 1 .. accum - 2 repeat the first (see the module doc)

@@ -196,6 +196,12 @@ class TrainingConfig:
     micro_batch: int | None = None
     """Sequences per forward/backward on one rank; None = the whole per-rank batch
     (no gradient accumulation)."""
+    grad_sync: Literal["last", "every"] = "last"
+    """With gradient accumulation (``micro_batch`` set): ``last`` keeps each micro-batch's
+    unsharded gradients (full size, in the reduce dtype) until the last one reduce-scatters
+    their sum, one reduce-scatter per step; ``every`` reduce-scatters every micro-batch and
+    accumulates into the sharded gradients (1/dp of the memory, ``accum_steps`` x the
+    reduce-scatters)."""
     mixed_precision: Literal["none", "bf16"] = "none"
     """``bf16``: bf16 parameters/activations in compute, fp32 master weights and
     gradient reduction; ``none``: fp32 throughout."""
@@ -293,6 +299,11 @@ class JobConfig:
     def accum_steps(self) -> int:
         """Micro-batches accumulated per optimizer step."""
         return max(1, self.training.global_batch // (self.micro_batch * self.dp_degree))
+
+    def syncs_gradients(self, micro: int) -> bool:
+        """Whether micro-batch ``micro`` (0-based) of a step reduce-scatters its gradients
+        (see ``training.grad_sync``)."""
+        return self.training.grad_sync == "every" or micro == self.accum_steps - 1
 
     @property
     def run_dir(self) -> Path:

@@ -222,7 +222,7 @@ class Trainer:
         accum = self.cfg.accum_steps
         total = torch.zeros((), device=self.cfg.parallel.device)
         for micro in range(accum):
-            self.model.set_requires_gradient_sync(micro == accum - 1)
+            self.model.set_requires_gradient_sync(self.cfg.syncs_gradients(micro))
             x, y = next(batches)
             loss = self._loss(x, y) / accum
             with self._loss_context():

@@ -43,6 +43,7 @@ class Setup:
     steps: int = 5
     batch: int = 8                # global batch
     microbatches: int = 1         # gradient accumulation
+    sync_every: bool = False      # reduce-scatter every microbatch (sharded accumulation)
     param_dtype: torch.dtype | None = None
     check_grads: bool = False
     tied: bool = False            # GPT-2 only: lm_head.weight is wte.weight
@@ -184,9 +185,11 @@ def run(s: Setup) -> dict:
         total = torch.zeros(())
         for m, (xm, ym) in enumerate(zip(xs.chunk(s.microbatches), ys.chunk(s.microbatches))):
             if isinstance(model, fsdp2d.FSDPModule):
-                model.set_requires_gradient_sync(m == s.microbatches - 1)
+                model.set_requires_gradient_sync(s.sync_every or m == s.microbatches - 1)
             loss = loss_of(model, xm, ym, s) / s.microbatches
             backward(loss, s)
+            held = sum(fp.acc_grad is not None for _, fp in fsdp2d.fsdp_params(model))  # full-size buffers
+            worst["unsharded_accumulators"] = max(worst.get("unsharded_accumulators", 0), held)
             total += loss.detach().float()
         if count > 1:  # the global loss is the mean over the data-parallel slices
             dist.all_reduce(total)  # every slice's loss is counted once per TP rank
@@ -198,6 +201,7 @@ def run(s: Setup) -> dict:
                 worst[k] = max(worst[k], v)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
+    worst["reduce_scatters"] = sum(m.counts["reduce_scatter"] for m in _groups(model))
     params = full_tensors(model, mesh, "param")
     errs = {n: (params[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()}
     worst["param_abs"] = max(v for n, v in errs.items() if not n.endswith(ZERO_GRAD))
@@ -206,3 +210,8 @@ def run(s: Setup) -> dict:
     if s.tied:
         worst["tied"] = model.lm_head.weight is model.wte.weight
     return worst
+
+
+def _groups(model: torch.nn.Module) -> list:
+    states = {id(m._fsdp2d_fsdp): m._fsdp2d_fsdp for m in model.modules() if isinstance(m, fsdp2d.FSDPModule)}
+    return [st.group for st in states.values() if st.group is not None]

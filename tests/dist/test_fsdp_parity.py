@@ -27,6 +27,8 @@ CASES = {
     "gpt2-hsdp-2x2": P.Setup(model="gpt2", mesh=(2, 2), names=("replicate", "shard"), steps=10),
     "llama-hsdp-2x1x2-tp": P.Setup(model="llama", mesh=(2, 1, 2), names=("replicate", "shard", "tp"), steps=10),
     "llama-2x2-accum4": P.Setup(model="llama", mesh=(2, 2), steps=10, batch=16, microbatches=4),
+    "llama-2x2-accum4-sync-every": P.Setup(model="llama", mesh=(2, 2), steps=10, batch=16, microbatches=4,
+                                           sync_every=True),
 }
 
 
@@ -39,6 +41,20 @@ def test_fsdp_matches_single_process(pool, name):
         # Zero-gradient tensors (GPT-2's key bias) move by Adam-normalised noise: at most
         # ~lr per step, so 10 steps at lr 1e-2 stay within 0.1 (here ~6e-5).
         assert r["param_abs_zero_grad"] < 0.1
+
+
+@pytest.mark.parametrize("sync_every", [False, True])
+def test_accumulation_memory_and_reduce_scatters(pool, sync_every):
+    """Gradient accumulation over 4 microbatches: syncing on the last one only holds a
+    full-size (TP-local) accumulator per parameter between microbatches, one
+    reduce-scatter per group per step; syncing every microbatch holds none (gradients
+    stay sharded) for 4 reduce-scatters per group per step. Both equal one process."""
+    s = P.Setup(model="llama", mesh=(2, 2), steps=2, batch=16, microbatches=4, sync_every=sync_every)
+    groups, params = 3, 2 * 9 + 3  # 2 blocks and the root; 9 parameters per block, 3 outside
+    for rank, r in enumerate(pool.run(P.run, s)):
+        assert r["loss"] < LOSS_TOL, f"rank {rank}: loss rel error {r['loss']:.2e}"
+        assert r["unsharded_accumulators"] == (0 if sync_every else params), r["unsharded_accumulators"]
+        assert r["reduce_scatters"] == s.steps * groups * (4 if sync_every else 1), r["reduce_scatters"]
 
 
 def test_bf16_params_fp32_reduce(pool):

@@ -69,6 +69,7 @@ def test_overrides_parse_by_field_type(tmp_path):
     ("--optim.betas=0.9", "optim.betas must be 2 values"),
     ("--model.name=lama", "did you mean 'llama'"),
     ("--training.mixed_precision=fp16", "one of 'none' | 'bf16'"),
+    ("--training.grad_sync=first", "one of 'last' | 'every'"),
     ("training.steps=3", "overrides look like --section.key=value"),
 ])
 def test_bad_override_values(arg, match):
