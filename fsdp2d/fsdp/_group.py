@@ -17,7 +17,6 @@ the end of backward, before the optimizer can run).
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .. import _collectives as C
 from .._dtensor import as_dtensor, install_rest_hooks, local_of
 from .._stale import mark_replaced
+from ._grads import GradReduction, set_grad
 from ._param import FSDPParam, alias
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -45,7 +45,7 @@ def _count_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_count_step)
 
 
-class FSDPParamGroup:
+class FSDPParamGroup(GradReduction):
     def __init__(self, params: list[FSDPParam], shard_group: C.Group, replicate_group: C.Group | None,
                  mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str) -> None:
         self.params, self.fqn, self.mp, self.offload = params, fqn, mp, offload
@@ -283,129 +283,6 @@ class FSDPParamGroup:
             return False
         return self.num_trainable == len(self.params) or (self.inputs_done > 0 and not self.input_waits)
 
-    def accumulate_unsynced(self) -> None:
-        """Without gradient sync, move this backward's unsharded gradients into
-        accumulators in ``reduce_dtype`` (bf16 gradients summed over many microbatches in
-        bf16 would lose precision); the synced backward adds them back before reducing.
-        ``unsharded.grad`` then only ever holds the current backward's gradient, which is
-        what an aborted backward's recovery drops."""
-        for p in self.params:
-            g = p.unsharded_grad()
-            if g is not None:  # .to() is a no-op reference when the dtypes already match
-                p.acc_grad = g.to(self.reduce_dtype) if p.acc_grad is None else p.acc_grad.add_(g)
-                p.unsharded.grad = None
-
-    def reduce_grads(self) -> None:
-        """Launch the (async) reduce-scatter of the unsharded gradients, if syncing."""
-        if not self.needs_reduce or not self.requires_sync:
-            return
-        grads = []
-        for p in self.params:
-            g = p.unsharded_grad()
-            if p.acc_grad is not None:  # microbatches accumulated without sync
-                g = p.acc_grad if g is None else p.acc_grad.add_(g)
-                p.acc_grad = None
-            grads.append(g)
-            p.unsharded.grad = None
-        buf = self._pack_grads(grads)
-        all_had = self._every_trainable_had(grads)
-        self.counts["reduce_scatter"] += 1
-        if self.k == 1:
-            self._reduce = (None, buf.view(-1), all_had)
-        else:
-            out = buf.new_empty(self.total + len(self.params))
-            work = C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True)
-            self._reduce = (work, out, all_had)
-        self.needs_reduce = False
-
-    def _pack_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """The reduce-scatter input ``(k, total + n)``: every parameter's gradient in its
-        segment (zeros without one, so the collective is identical on every rank), then
-        one flag column per parameter, 1 in every row where this rank has a gradient:
-        after the reduce-scatter every rank knows how many ranks had one (a collective
-        decision, so a parameter used on some ranks only still updates everywhere)."""
-        n, k, dtype = len(self.params), self.k, self.reduce_dtype
-        if self._every_trainable_had(grads):  # the usual case: a cached device tensor, no host-to-device copy
-            key = (dtype, self.compute_device, tuple(p.requires_grad for p in self.params))
-            if self._flags is None or self._flags[0] != key:  # 1 per trainable, 0 per frozen parameter
-                self._flags = (key, torch.tensor([float(r) for r in key[2]], dtype=dtype, device=self.compute_device))
-            flags = self._flags[1]
-        else:
-            flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=self.compute_device)
-        grads = [torch.zeros(p.unsharded_shape, dtype=dtype, device=self.compute_device) if g is None
-                 else g.to(dtype) for p, g in zip(self.params, grads)]  # .to: no-op when it matches
-        buf = torch.empty((k, self.total + n), dtype=dtype, device=self.compute_device)
-        # Each gradient chunked over the k ranks along dim 0 (torch.chunk sizes, zero-padded
-        # to padded_rows), rank-major: one op, even or not, at any k.
-        torch._chunk_cat([*grads, flags.expand(k, n)], dim=0, num_chunks=k, out=buf)
-        return buf
-
-    def _every_trainable_had(self, grads: list[torch.Tensor | None]) -> bool:
-        """Whether this rank has a gradient for every parameter that requires one (frozen
-        parameters never have one, on any rank: no flags need reading for them)."""
-        return all(g is not None for p, g in zip(self.params, grads) if p.requires_grad)
-
-    def finish_reduce(self, assign: bool = True) -> None:
-        """Wait for the reduce-scatter and accumulate into the sharded ``.grad``s of the
-        parameters that had a gradient (``assign=False``: wait and discard)."""
-        if self._reduce is None:
-            return
-        work, out, all_had = self._reduce
-        self._reduce = None
-        if work is not None:
-            work.wait()
-        if not assign:
-            return
-        out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
-        out = out.div_(self.divide_factor)  # the flag columns stay positive where some rank had one
-        # CPU offload: the sharded gradients go to the host. A new one is copied without
-        # blocking, so nothing here reads it: an event recorded after the copies is waited
-        # on once, at the end of backward (wait_offload), before an optimizer can read them
-        # on the CPU, as torch FSDP2 does. One added to an existing .grad is read by the
-        # CPU add at once, so that copy blocks (torch's rule too). (The next forward's
-        # copies of the shards to the device come before that event, so the optimizer's
-        # writes to the pinned shards cannot race them either.)
-        #
-        # Where this rank had every trainable gradient, every trainable parameter gets one:
-        # no need to read the flags (no host sync in a normal step, frozen parameters or
-        # not). Otherwise the flags say which parameters some rank had a gradient for (all
-        # ranks agree); the others keep .grad None, as in torch.
-        host = self._offloading(self.compute_device)
-        copied = False
-        if self.flat_param is not None:  # one flat gradient (zeros where a rank had none)
-            flat = self.flat_param
-            g = out[:self.total].to(flat.device, self.grad_dtype or flat.dtype, non_blocking=flat.grad is None)
-            copied = host and flat.grad is None
-            if flat.grad is None:
-                meta = flat._spec.tensor_meta._replace(dtype=g.dtype)
-                _set_grad(flat, as_dtensor(g, dataclasses.replace(flat._spec, tensor_meta=meta)))
-            else:
-                local_of(flat.grad).add_(g)
-        else:
-            had_grad = [float(p.requires_grad) for p in self.params] if all_had else out[self.total:].tolist()
-            for p, flag in zip(self.params, had_grad):
-                if flag > 0:
-                    copied = self._assign_grad(p, p.shard_in(out), host) or copied
-        if copied:
-            self.offload_event = _record_event(self.compute_device)
-
-    def _assign_grad(self, p: FSDPParam, g: torch.Tensor, host: bool) -> bool:
-        """Set or accumulate ``p``'s sharded gradient from ``g`` (its reduced shard on the
-        compute device); True when a copy to the host is left in flight."""
-        current = p.sharded.grad
-        g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=current is None)
-        if current is None:
-            _set_grad(p.sharded, as_dtensor(g, p.spec(g.dtype)))
-            return host
-        local_of(current).add_(g)
-        return False
-
-    def wait_offload(self) -> None:
-        """Block the host until this group's gradient copies to the CPU are done."""
-        if self.offload_event is not None:
-            self.offload_event.synchronize()
-            self.offload_event = None
-
     # -- exact gathers (summon_full_params) ----------------------------------------------
     def gather_exact(self) -> list[torch.Tensor]:
         """Every parameter unsharded over the data axis in its own dtype (no cast): a
@@ -448,19 +325,6 @@ def _shard_source(p: FSDPParam, current: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"fully_shard: parameter {p.fqn!r} was replaced by a plain tensor of shape {tuple(current.shape)}; "
                      f"expected its global shape {p.layout.global_shape} or a DTensor (load full tensors with "
                      f"load_state_dict, not by assigning local pieces)")
-
-
-def _record_event(device: torch.device) -> Any:
-    """An event on ``device``'s current stream, after the work queued so far."""
-    event = torch.Event(device=device)
-    event.record()
-    return event
-
-
-def _set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    if grad.dtype != param.dtype:  # keep_low_precision_grads (FSDP1): torch checks .grad_dtype
-        param.grad_dtype = None
-    param.grad = grad
 
 
 def _weak_hook(group: FSDPParamGroup):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fsdp2d
-from fsdp2d.fsdp import _group
+from fsdp2d.fsdp import _grads
 
 from . import _parity as P
 
@@ -38,7 +38,7 @@ def job_offload_event() -> dict:
     groups = [m._fsdp2d_fsdp.group for m in offloaded.modules() if isinstance(m, fsdp2d.FSDPModule)]
     for g in groups:
         g._offloading = lambda device: True
-    real, _group._record_event = _group._record_event, lambda device: FakeEvent()
+    real, _grads._record_event = _grads._record_event, lambda device: FakeEvent()
     logs = []
     try:
         x, y = P.batch_for(0, s)
@@ -48,7 +48,7 @@ def job_offload_event() -> dict:
             logs.append(FakeEvent.log[:])
             FakeEvent.log.clear()
     finally:
-        _group._record_event = real
+        _grads._record_event = real
     grads = [(a.grad - b.grad).abs().max().item() for a, b in zip(plain.parameters(), offloaded.parameters())]
     return {"logs": logs, "groups": len(groups), "grad_err": max(grads),
             "pending": [g.fqn for g in groups if g.offload_event is not None]}
