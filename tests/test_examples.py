@@ -60,3 +60,14 @@ def test_hugging_face_example(tmp_path):
     # fp32, the same weights, a different operation order (TP shards): measured 4e-7
     assert rel and float(rel.group(1)) <= 1e-5, out
     assert (tmp_path / "hf_out" / "config.json").is_file()
+
+
+@pytest.mark.dist
+def test_check_your_plan_example():
+    """A plain python command: check_parallel starts its own workers."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "06_check_your_plan.py")], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "right plan: equal to one process" in proc.stdout, proc.stdout
+    assert "megatron plan: caught: check_parallel on mesh (dp=2, tp=2): step 0: the output of module " \
+           "'layers.0.mid' differs" in proc.stdout, proc.stdout
