@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .mesh import DeviceMesh, axis_names, coordinate
-from .placement import Layout, Shard
+from .placement import Layout, Shard, check_placement, chunk_range
 
-__all__ = ["spec_of", "as_dtensor", "local_of", "layout_of", "install_load_hook", "install_rest_hooks"]
+__all__ = ["spec_of", "as_dtensor", "local_of", "layout_of", "layout_of_spec", "install_load_hook", "install_rest_hooks"]
 
 
 def _check_left_to_right(layout: Layout) -> None:
@@ -73,15 +73,67 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _strided_shard_is_exact(size: int, inner: int, outer: int) -> bool:
+    """Whether ``[_StridedShard(d, split_factor=inner) on the outer axis, Shard(d) on the
+    inner axis]`` holds the TP-major boxes of a dim of ``size`` (inner axis splits first).
+
+    torch's ``_StridedShard`` gives outer rank ``a`` the concatenation over ``b`` of
+    ``chunk(chunk(size, inner)[b], outer)[a]``, and the inner ``Shard`` then ``torch.chunk``s
+    that concatenation: exact iff those chunks are exactly the concatenated pieces (always
+    when even; not e.g. for 7 rows, inner=2, outer=3)."""
+    for a in range(outer):
+        lens = [chunk_range(chunk_range(size, inner, b)[1], outer, a)[1] for b in range(inner)]
+        total = sum(lens)
+        for b in range(inner):
+            start, n = chunk_range(total, inner, b)
+            if n != lens[b] or (n and start != sum(lens[:b])):
+                return False
+    return True
+
+
+def layout_of_spec(mesh: DeviceMesh, placements: Any, global_shape: Any, where: str = "DTensor") -> Layout:
+    """The :class:`Layout` of this rank's piece of a tensor of ``global_shape`` with torch
+    ``placements`` on ``mesh``: read from the placements, never from a local shape.
+
+    ``_StridedShard(d, split_factor=f)`` is torch's encoding of a split of dim ``d`` that
+    happens after the split of a later axis of ``f`` ranks (FSDP over TP on a (dp, tp)
+    mesh): it becomes a ``Shard(d)`` whose axis comes after that one in ``split_order``,
+    if torch's interleaved chunks are exactly those TP-major boxes (always when even;
+    ``_strided_shard_is_exact``). Anything a Layout cannot state exactly raises naming
+    ``where``: another split factor, uneven chunks that interleave, ``Partial`` other than
+    a sum, vocab-parallel ``_MaskPartial``."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    names, shape = axis_names(mesh), tuple(mesh.shape)
+    plain, strided = [], []
+    for axis, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            plain.append(Shard(p.dim))
+            strided.append((axis, p))
+        else:
+            plain.append(check_placement(p, f"{where}: placement on mesh axis {names[axis]!r},"))
+    order = list(range(len(shape)))
+    for axis, p in strided:  # the strided axis splits after the axis that shards the same dim
+        later = [a for a in range(axis + 1, len(shape)) if plain[a] == Shard(p.dim)]
+        dim = p.dim % len(global_shape)
+        if len(later) != 1 or p.split_factor != shape[later[0]] or \
+                not _strided_shard_is_exact(global_shape[dim], shape[later[0]], shape[axis]):
+            raise NotImplementedError(
+                f"{where}: placement {p} on mesh axis {names[axis]!r} of {tuple(placements)} is not a TP-major "
+                f"split fsdp2d can state exactly (global shape {tuple(global_shape)}, mesh {dict(zip(names, shape))}); "
+                f"redistribute it to Shard/Replicate placements first")
+        order.remove(axis)
+        order.insert(order.index(later[0]) + 1, axis)
+    return Layout(tuple(global_shape), shape, names, tuple(plain), coordinate(mesh), tuple(order))
+
+
 def layout_of(dt: DTensor) -> Layout:
     """The fsdp2d :class:`Layout` of a DTensor (cached on its spec, which fsdp2d's
     parameters and their gradients share)."""
     spec = dt._spec
     layout = getattr(spec, "_fsdp2d_layout", None)
     if layout is None:
-        from .bridge.extensions import from_dtensor
-
-        layout = from_dtensor(dt)[1]
+        layout = layout_of_spec(dt.device_mesh, dt.placements, tuple(dt.shape))
         spec._fsdp2d_layout = layout
     return layout
 

@@ -32,7 +32,8 @@ import torch
 
 from .. import _collectives as C
 from ..mesh import DeviceMesh, axis_names, axis_size, coordinate
-from ..placement import Box, Layout, Partial, Replicate, Shard, check_placement, chunk_range
+from ..placement import Box, Layout, Partial, Replicate, Shard, chunk_range
+from .._dtensor import _strided_shard_is_exact, layout_of, layout_of_spec
 from ._layout import fsdp_layout
 
 __all__ = ["LocalShard", "DTensorExtensions", "gather_full", "gather_axes", "to_dtensor", "from_dtensor"]
@@ -80,8 +81,6 @@ def gather_full(local: torch.Tensor, layout: Layout | None = None, mesh: Any = N
     from torch.distributed.tensor import DTensor
 
     if isinstance(local, DTensor):
-        from .._dtensor import layout_of
-
         layout = layout if layout is not None else layout_of(local)
         mesh = mesh if mesh is not None else local.device_mesh
         local = local._local_tensor
@@ -174,24 +173,6 @@ class DTensorExtensions:
         return gather_full(tensor.tensor, tensor.layout, mesh)
 
 
-def _strided_shard_is_exact(size: int, inner: int, outer: int) -> bool:
-    """Whether ``[_StridedShard(d, split_factor=inner) on the outer axis, Shard(d) on the
-    inner axis]`` holds the TP-major boxes of a dim of ``size`` (inner axis splits first).
-
-    torch's ``_StridedShard`` gives outer rank ``a`` the concatenation over ``b`` of
-    ``chunk(chunk(size, inner)[b], outer)[a]``, and the inner ``Shard`` then ``torch.chunk``s
-    that concatenation: exact iff those chunks are exactly the concatenated pieces (always
-    when even; not e.g. for 7 rows, inner=2, outer=3)."""
-    for a in range(outer):
-        lens = [chunk_range(chunk_range(size, inner, b)[1], outer, a)[1] for b in range(inner)]
-        total = sum(lens)
-        for b in range(inner):
-            start, n = chunk_range(total, inner, b)
-            if n != lens[b] or (n and start != sum(lens[:b])):
-                return False
-    return True
-
-
 def _torch_placements(layout: Layout) -> list:
     """The torch placements with the same data layout as ``layout`` (see :func:`to_dtensor`)."""
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -241,42 +222,6 @@ def to_dtensor(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh):
     shape = layout.global_shape
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(tensor, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
-
-
-def layout_of_spec(mesh: DeviceMesh, placements: Any, global_shape: Any, where: str = "DTensor") -> Layout:
-    """The :class:`Layout` of this rank's piece of a tensor of ``global_shape`` with torch
-    ``placements`` on ``mesh``: read from the placements, never from a local shape.
-
-    ``_StridedShard(d, split_factor=f)`` is torch's encoding of a split of dim ``d`` that
-    happens after the split of a later axis of ``f`` ranks (FSDP over TP on a (dp, tp)
-    mesh): it becomes a ``Shard(d)`` whose axis comes after that one in ``split_order``,
-    if torch's interleaved chunks are exactly those TP-major boxes (always when even;
-    ``_strided_shard_is_exact``). Anything a Layout cannot state exactly raises naming
-    ``where``: another split factor, uneven chunks that interleave, ``Partial`` other than
-    a sum, vocab-parallel ``_MaskPartial``."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    names, shape = axis_names(mesh), tuple(mesh.shape)
-    plain, strided = [], []
-    for axis, p in enumerate(placements):
-        if isinstance(p, _StridedShard):
-            plain.append(Shard(p.dim))
-            strided.append((axis, p))
-        else:
-            plain.append(check_placement(p, f"{where}: placement on mesh axis {names[axis]!r},"))
-    order = list(range(len(shape)))
-    for axis, p in strided:  # the strided axis splits after the axis that shards the same dim
-        later = [a for a in range(axis + 1, len(shape)) if plain[a] == Shard(p.dim)]
-        dim = p.dim % len(global_shape)
-        if len(later) != 1 or p.split_factor != shape[later[0]] or \
-                not _strided_shard_is_exact(global_shape[dim], shape[later[0]], shape[axis]):
-            raise NotImplementedError(
-                f"{where}: placement {p} on mesh axis {names[axis]!r} of {tuple(placements)} is not a TP-major "
-                f"split fsdp2d can state exactly (global shape {tuple(global_shape)}, mesh {dict(zip(names, shape))}); "
-                f"redistribute it to Shard/Replicate placements first")
-        order.remove(axis)
-        order.insert(order.index(later[0]) + 1, axis)
-    return Layout(tuple(global_shape), shape, names, tuple(plain), coordinate(mesh), tuple(order))
 
 
 def from_dtensor(dt: Any) -> tuple[torch.Tensor, Layout]:

@@ -49,18 +49,13 @@ from ..bridge import gather_full
 from ..bridge.extensions import gather_axes
 from ..mesh import axis_names
 from ..placement import Shard, chunk_range
+from ._unit import Unit
 
 PREFIX = "_fsdp_wrapped_module."
 
 
-def _wrapper_cls():
-    from ._wrapper import FullyShardedDataParallel
-    return FullyShardedDataParallel
-
-
 def units(module: nn.Module) -> list:
-    cls = _wrapper_cls()
-    return [m for m in module.modules() if isinstance(m, cls)]
+    return [m for m in module.modules() if isinstance(m, Unit)]
 
 
 # -- state_dict_type ------------------------------------------------------------------------

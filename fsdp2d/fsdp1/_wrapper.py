@@ -41,6 +41,7 @@ from ..fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..fsdp.api import fully_shard
 from ..tensor_parallel._params import tp_params
 from . import _init, _mesh, _state_dict, _summon
+from ._unit import Unit
 
 _RESHARD_AFTER_FORWARD = {
     ShardingStrategy.FULL_SHARD: True, ShardingStrategy.HYBRID_SHARD: True,
@@ -59,7 +60,7 @@ def _unsupported(name: str) -> Any:
     return staticmethod(method)
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(Unit):
     """torch 2.13's ``torch.distributed.fsdp.FullyShardedDataParallel``, same arguments
     and methods, on fsdp2d's per-parameter engine (see the module docstring)."""
 

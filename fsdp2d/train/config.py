@@ -59,6 +59,21 @@ class ConfigError(ValueError):
     """A bad config value or combination; the message says how to fix it."""
 
 
+def read_init_from(path: str) -> tuple[str, Any]:
+    """The architecture and model arguments of the HF folder ``path`` (``model.init_from``),
+    read as :func:`fsdp2d.models.from_hf` reads it: only files inside the folder, every
+    field checked, the sizes compared with the weights. Raises :class:`ConfigError`."""
+    from fsdp2d.models.hf import HFError, HFFolder, check_sizes, config_from_hf
+
+    try:
+        with HFFolder(path) as folder:
+            arch, args = config_from_hf(folder.config(), str(Path(path) / "config.json"))
+            check_sizes(folder, arch, args)
+            return arch, args
+    except HFError as exc:
+        raise ConfigError(f"model.init_from={path!r}: {exc}") from exc
+
+
 @dataclass
 class ModelConfig:
     name: Literal["llama", "gpt2"] = "llama"
@@ -93,9 +108,11 @@ class ModelConfig:
         """The model's own argument dataclass (``LlamaArgs`` or ``GPT2Args``)."""
         from fsdp2d.models import GPT2Args, LlamaArgs
 
-        if self.init_from:
-            from .hf import hf_args
-            return hf_args(self)
+        if self.init_from:  # Llama's RoPE table follows max_seq_len; a tied head stays tied
+            arch, args = read_init_from(self.init_from)
+            if arch == "llama":
+                args.max_seq_len = self.max_seq_len
+            return args
 
         if self.name == "gpt2":
             return GPT2Args(n_layer=self.n_layers, n_head=self.n_heads, n_embd=self.dim,

@@ -10,34 +10,7 @@ checkpoint as an HF folder ``RUN/hf`` that ``transformers`` loads.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
-from fsdp2d.models.hf import HFError, HFFolder, check_sizes, config_from_hf
-
-from .config import ConfigError, JobConfig, ModelConfig
-
-
-def _read(path: str) -> tuple[str, Any]:
-    """The HF folder's architecture, read as :func:`fsdp2d.models.from_hf` reads it: only
-    files inside the folder, every field checked, the sizes compared with the weights."""
-    try:
-        with HFFolder(path) as folder:
-            arch, args = config_from_hf(folder.config(), str(Path(path) / "config.json"))
-            check_sizes(folder, arch, args)
-            return arch, args
-    except HFError as exc:
-        raise ConfigError(f"model.init_from={path!r}: {exc}") from exc
-
-
-def hf_args(m: ModelConfig) -> Any:
-    """The model arguments of ``m.init_from``; Llama's RoPE table follows ``max_seq_len``.
-    A tied head stays tied (TP shards the tensor once, ``fully_shard`` on the root owns
-    it once) and the HF export says so."""
-    arch, args = _read(m.init_from)
-    if arch == "llama":
-        args.max_seq_len = m.max_seq_len
-    return args
+from .config import JobConfig, read_init_from
 
 
 def apply_init_from(cfg: JobConfig) -> JobConfig:
@@ -45,7 +18,7 @@ def apply_init_from(cfg: JobConfig) -> JobConfig:
     m = cfg.model
     if not m.init_from:
         return cfg
-    arch, a = _read(m.init_from)
+    arch, a = read_init_from(m.init_from)
     m.name = arch
     if arch == "llama":
         m.dim, m.n_layers, m.n_heads, m.n_kv_heads = a.dim, a.n_layers, a.n_heads, a.kv_heads
