@@ -329,3 +329,28 @@ def test_nan_loss_between_reads_is_reported_with_its_step(tmp_path, world1):
     assert trainer.ckpts.steps() == ([] if bad <= 4 else [4])
     if bad != read:
         assert f", read at step {read}" in found.group(3), err.value
+
+
+@pytest.mark.dist
+def test_ctrl_c_prints_one_message_with_the_latest_checkpoint(tmp_path):
+    """Issue 21 item 13: Ctrl-C (SIGINT to the launcher's process group, as a terminal
+    sends it) used to print a KeyboardInterrupt traceback per process (~200 lines here);
+    now rank 0 says at which step it stopped, the newest checkpoint and how to continue."""
+    args = [*SMALL, "--training.steps=2000", "--training.eval_every=0", "--checkpoint.every=2",
+            f"--metrics.runs_dir={tmp_path}", "--metrics.run_name=int"]
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp2d.train", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics, deadline = tmp_path / "int" / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(l)["step"] >= 3 for l in metrics.read_text().splitlines() if l):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+        time.sleep(0.2)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out and "signal" not in out, out[-3000:]
+    said = re.findall(r"interrupted at step (\d+); latest checkpoint: (\S+)\. Continue .* --resume", out)
+    assert len(said) == 1, out[-3000:]
+    step, path = int(said[0][0]), Path(said[0][1])
+    assert step >= 3 and path.parent == tmp_path / "int" / "checkpoints" and path.name.startswith("step_"), said
+    assert len(out.splitlines()) < 30, out  # the warnings, a progress line per step, the message

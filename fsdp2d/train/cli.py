@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 
@@ -57,9 +58,9 @@ def train(argv: list[str]) -> int:
             preflight.check_data_path(cfg)
             preflight.check_run_folder(cfg)
             nproc = cfg.parallel.nproc or cfg.world_size
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            cmd = [sys.executable, "-m", "fsdp2d.train._torchrun", "--standalone", "--nproc_per_node", str(nproc),
                    "-m", "fsdp2d.train", *argv]
-            return subprocess.call(cmd)
+            return _launch(cmd)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -78,6 +79,10 @@ def train(argv: list[str]) -> int:
             return 2
         trainer.start()
         trainer.run()
+    except KeyboardInterrupt:  # Ctrl-C: every rank gets SIGINT (torchrun forwards it)
+        if os.environ.get("RANK", "0") == "0":
+            print(_interrupted(trainer), file=sys.stderr, flush=True)
+        return 130
     finally:
         # Free the model (and its reference cycles) first, so the process groups are
         # destructed here, on this thread, rather than in the interpreter's exit-time
@@ -88,6 +93,28 @@ def train(argv: list[str]) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _launch(cmd: list[str]) -> int:
+    """Run torchrun; on Ctrl-C (which reaches torchrun and us alike) wait for it to stop
+    its workers rather than kill it, so rank 0 can say where the run stopped."""
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan the workers
+        proc.wait()
+        return 130
+
+
+def _interrupted(trainer) -> str:
+    """The one message of an interrupted run: its step, its newest checkpoint, how to go on."""
+    if trainer is None:
+        return "interrupted before training started; nothing to resume"
+    latest = trainer.ckpts.latest()
+    where = f"latest checkpoint: {latest}" if latest else "no checkpoint yet (--resume starts again from step 0)"
+    return (f"interrupted at step {trainer.step}; {where}. Continue with the same command plus --resume "
+            f"(make train ARGS=--resume)")
 
 
 def main(argv: list[str] | None = None) -> int:
