@@ -117,10 +117,28 @@ def _interrupted(trainer) -> str:
             f"(make train ARGS=--resume)")
 
 
+_COMMANDS = {
+    "train": "train a model on this machine or under torchrun (--config FILE.toml, --resume)",
+    "plan": "will a job fit and how fast will it run, before getting the GPUs (a dry run)",
+    "plot": "the loss curve of a run as runs/NAME/loss.png",
+    "pretokenize": "tokenize a text corpus once into the token files training reads",
+    "generate": "sample text from a checkpoint on one process",
+}
+
+
+def _usage() -> str:
+    rows = "\n".join(f"  {name:<12} {what}" for name, what in _COMMANDS.items())
+    return f"usage: fsdp2d COMMAND [--help] ...\n\ncommands:\n{rows}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("train", "plot", "plan", "pretokenize", "generate"):
-        print("usage: fsdp2d {train,plot,plan,pretokenize,generate} ...  (fsdp2d train --help)", file=sys.stderr)
+    if argv and argv[0] in ("-h", "--help"):
+        print(_usage(), end="")
+        return 0
+    if not argv or argv[0] not in _COMMANDS:
+        said = f"fsdp2d: unknown command {argv[0]!r}\n" if argv else ""
+        print(f"{said}{_usage()}", end="", file=sys.stderr)
         return 2
     if argv[0] == "plan":  # dry run of one rank under the fake process group (fsdp2d.plan)
         from fsdp2d.plan.cli import main as plan_main
