@@ -354,3 +354,23 @@ def test_ctrl_c_prints_one_message_with_the_latest_checkpoint(tmp_path):
     step, path = int(said[0][0]), Path(said[0][1])
     assert step >= 3 and path.parent == tmp_path / "int" / "checkpoints" and path.name.startswith("step_"), said
     assert len(out.splitlines()) < 30, out  # the warnings, a progress line per step, the message
+
+
+def test_resume_drops_metrics_after_the_checkpoint(tmp_path, world1, capsys):
+    """Issue 21 item 15: a run stopped after logging steps its last checkpoint does not
+    hold (here: step 3 logged, checkpoint 3 lost) repeated them in metrics.jsonl on
+    resume. The resumed run drops the lines after its checkpoint's step first."""
+    from fsdp2d.train.trainer import Trainer
+
+    trainer = Trainer(_local(tmp_path, "run", "--training.stop_at=3"))
+    trainer.start()
+    trainer.run()
+    trainer.ckpts.remove(3)  # as if killed after step 3 was logged, before its checkpoint
+    _fresh_group()
+    trainer = Trainer(_local(tmp_path, "run", "--checkpoint.resume=true"))
+    trainer.maybe_resume()
+    assert trainer.step == 2
+    trainer.start()
+    trainer.run()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]  # the file, not read_metrics's view

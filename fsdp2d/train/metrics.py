@@ -75,6 +75,18 @@ class Metrics:
             writer.write(record)
         self.progress(record, final=True)
 
+    def forget_after(self, step: int) -> None:
+        """(On resume from ``step``.) Drop the lines of later steps: the resumed run logs
+        them again, and a run stopped between a log and a checkpoint had logged them."""
+        if not self.enabled or not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        if len(kept) != len(lines):
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(self.path)  # whole or not at all
+
     def close(self) -> None:
         for writer in self.writers:
             writer.close()

@@ -190,10 +190,12 @@ class Trainer:
             self.step = step
             if self.rank == 0:
                 print(f"resumed from {path} at step {self.step}", flush=True)
+            self.metrics.forget_after(self.step)
             return
         if failures:
             raise ckpt.CheckpointError(f"no checkpoint in {self.ckpts.folder} loads into this run; the newest "
                                        f"says: {failures[0]}")
+        self.metrics.forget_after(0)  # no checkpoint: the run starts again from step 0
 
     def save(self) -> None:
         extra = {"step": self.step, "data": self.data.train.state_dict(), "rng": _rng_state(),
