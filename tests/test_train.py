@@ -374,3 +374,19 @@ def test_resume_drops_metrics_after_the_checkpoint(tmp_path, world1, capsys):
     trainer.run()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]  # the file, not read_metrics's view
+
+
+def test_checkpoint_inspect_summarises_the_rng_state(tmp_path, world1):
+    """Issue 21 item 15: ``checkpoint inspect`` printed the RNG state, ~5 KB of base64;
+    now it says the state is there and its size."""
+    from fsdp2d import checkpoint as ckpt
+    from fsdp2d.train.trainer import Trainer
+
+    trainer = Trainer(_local(tmp_path, "ins", "--training.steps=2"))
+    trainer.start()
+    trainer.run()
+    latest = trainer.ckpts.latest()
+    rng = ckpt.load(latest, trainer.model, trainer.opt)["rng"]
+    out = ckpt.inspect(latest)
+    assert rng[:40] not in out and '"rng": "<RNG state, ' in out, out
+    assert max(len(line) for line in out.splitlines()) < 1000, out
