@@ -390,3 +390,23 @@ def test_checkpoint_inspect_summarises_the_rng_state(tmp_path, world1):
     out = ckpt.inspect(latest)
     assert rng[:40] not in out and '"rng": "<RNG state, ' in out, out
     assert max(len(line) for line in out.splitlines()) < 1000, out
+
+
+def test_start_and_end_summaries(tmp_path, world1, capsys):
+    """Issue 21 item 15: a run said nothing of what it was about to train or what it left
+    behind; rank 0 now prints one line at the start and one at the end."""
+    from fsdp2d.train.trainer import Trainer
+
+    trainer = Trainer(_local(tmp_path, "sum"))
+    trainer.start()
+    trainer.run()
+    lines = capsys.readouterr().out.splitlines()
+    start = [line for line in lines if line.startswith("fsdp2d train: ")]
+    end = [line for line in lines if line.startswith("done: ")]
+    assert len(start) == 1 and len(end) == 1, lines
+    params = sum(p.numel() for p in trainer.model.parameters())  # world size 1: the full sizes
+    assert f"{params:,} parameters" in start[0] and "mesh dp=1 x tp=1" in start[0], start
+    assert str(tmp_path / "sum") in start[0] and "steps 1-4" in start[0], start
+    assert f"latest checkpoint {trainer.ckpts.latest()}" in end[0] and "2 kept" in end[0], end
+    hf = f"HF export: {tmp_path / 'sum' / 'hf'}" if trainer.cfg.checkpoint.export_hf else "HF export: off"
+    assert hf in end[0], end
