@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 
 import torch.distributed as dist
 
@@ -64,6 +65,11 @@ def train(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") != "0":
+        # torch warns once per process: rank 0's copy is shown, once. Not silenced: on a
+        # CPU mesh torch has no DTensor RNG tracker, and random init draws every rank's
+        # shard from the same generator state (the shards start equal).
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     from fsdp2d.checkpoint import CheckpointError
 
     from .trainer import Trainer  # imported only in the workers
