@@ -329,3 +329,85 @@ def test_nan_loss_between_reads_is_reported_with_its_step(tmp_path, world1):
     assert trainer.ckpts.steps() == ([] if bad <= 4 else [4])
     if bad != read:
         assert f", read at step {read}" in found.group(3), err.value
+
+
+@pytest.mark.dist
+def test_ctrl_c_prints_one_message_with_the_latest_checkpoint(tmp_path):
+    """Issue 21 item 13: Ctrl-C (SIGINT to the launcher's process group, as a terminal
+    sends it) used to print a KeyboardInterrupt traceback per process (~200 lines here);
+    now rank 0 says at which step it stopped, the newest checkpoint and how to continue."""
+    args = [*SMALL, "--training.steps=2000", "--training.eval_every=0", "--checkpoint.every=2",
+            f"--metrics.runs_dir={tmp_path}", "--metrics.run_name=int"]
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp2d.train", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics, deadline = tmp_path / "int" / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(l)["step"] >= 3 for l in metrics.read_text().splitlines() if l):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+        time.sleep(0.2)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out and "signal" not in out, out[-3000:]
+    said = re.findall(r"interrupted at step (\d+); latest checkpoint: (\S+)\. Continue .* --resume", out)
+    assert len(said) == 1, out[-3000:]
+    step, path = int(said[0][0]), Path(said[0][1])
+    assert step >= 3 and path.parent == tmp_path / "int" / "checkpoints" and path.name.startswith("step_"), said
+    assert len(out.splitlines()) < 30, out  # the warnings, a progress line per step, the message
+    assert out.count("DTensor random operators") <= 1, out  # rank 0's copy only (it was one per rank)
+
+
+def test_resume_drops_metrics_after_the_checkpoint(tmp_path, world1, capsys):
+    """Issue 21 item 15: a run stopped after logging steps its last checkpoint does not
+    hold (here: step 3 logged, checkpoint 3 lost) repeated them in metrics.jsonl on
+    resume. The resumed run drops the lines after its checkpoint's step first."""
+    from fsdp2d.train.trainer import Trainer
+
+    trainer = Trainer(_local(tmp_path, "run", "--training.stop_at=3"))
+    trainer.start()
+    trainer.run()
+    trainer.ckpts.remove(3)  # as if killed after step 3 was logged, before its checkpoint
+    _fresh_group()
+    trainer = Trainer(_local(tmp_path, "run", "--checkpoint.resume=true"))
+    trainer.maybe_resume()
+    assert trainer.step == 2
+    trainer.start()
+    trainer.run()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]  # the file, not read_metrics's view
+
+
+def test_checkpoint_inspect_summarises_the_rng_state(tmp_path, world1):
+    """Issue 21 item 15: ``checkpoint inspect`` printed the RNG state, ~5 KB of base64;
+    now it says the state is there and its size."""
+    from fsdp2d import checkpoint as ckpt
+    from fsdp2d.train.trainer import Trainer
+
+    trainer = Trainer(_local(tmp_path, "ins", "--training.steps=2"))
+    trainer.start()
+    trainer.run()
+    latest = trainer.ckpts.latest()
+    rng = ckpt.load(latest, trainer.model, trainer.opt)["rng"]
+    out = ckpt.inspect(latest)
+    assert rng[:40] not in out and '"rng": "<RNG state, ' in out, out
+    assert max(len(line) for line in out.splitlines()) < 1000, out
+
+
+def test_start_and_end_summaries(tmp_path, world1, capsys):
+    """Issue 21 item 15: a run said nothing of what it was about to train or what it left
+    behind; rank 0 now prints one line at the start and one at the end."""
+    from fsdp2d.train.trainer import Trainer
+
+    trainer = Trainer(_local(tmp_path, "sum"))
+    trainer.start()
+    trainer.run()
+    lines = capsys.readouterr().out.splitlines()
+    start = [line for line in lines if line.startswith("fsdp2d train: ")]
+    end = [line for line in lines if line.startswith("done: ")]
+    assert len(start) == 1 and len(end) == 1, lines
+    params = sum(p.numel() for p in trainer.model.parameters())  # world size 1: the full sizes
+    assert f"{params:,} parameters" in start[0] and "mesh dp=1 x tp=1" in start[0], start
+    assert str(tmp_path / "sum") in start[0] and "steps 1-4" in start[0], start
+    assert f"latest checkpoint {trainer.ckpts.latest()}" in end[0] and "2 kept" in end[0], end
+    hf = f"HF export: {tmp_path / 'sum' / 'hf'}" if trainer.cfg.checkpoint.export_hf else "HF export: off"
+    assert hf in end[0], end

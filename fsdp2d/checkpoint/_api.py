@@ -151,6 +151,19 @@ def _export(folder: Folder, out: Path, max_shard_bytes: int) -> list[Path]:
     return [out / f for f in fnames]
 
 
+def _brief(extra: Any) -> Any:
+    """``extra`` for people: an RNG state (base64, ~5 KB for torch's) and any other string
+    over 200 characters are named with their size, not printed."""
+    if isinstance(extra, dict):
+        rng = lambda v: f"<RNG state, {len(v) * 3 // 4 - v.count('=')} bytes>"  # noqa: E731 - base64's size
+        return {k: rng(v) if k == "rng" and isinstance(v, str) else _brief(v) for k, v in extra.items()}
+    if isinstance(extra, list):
+        return [_brief(v) for v in extra]
+    if isinstance(extra, str) and len(extra) > 200:
+        return f"<{len(extra)} characters>"
+    return extra
+
+
 def inspect(ckpt: str | os.PathLike) -> str:
     """A human-readable summary: mesh, world size, data files, extra, and every tensor
     with its layout (``tp=S(0) dp=S(0)``: sharded along dim 0 over tp, then over dp)."""
@@ -161,7 +174,7 @@ def inspect(ckpt: str | os.PathLike) -> str:
              f"saved on {index['world_size']} ranks, mesh "
              + (" x ".join(f"{a}={s}" for a, s in zip(mesh["axes"], mesh["shape"])) or "(none)"),
              f"data files: {len(files)}, {sum(size for _, size in files) / 2**20:.2f} MiB",
-             f"id: {index['id']}", f"extra: {json.dumps(index['extra'])}", "",
+             f"id: {index['id']}", f"extra: {json.dumps(_brief(index['extra']))}", "",
              f"{'tensor':<60} {'dtype':<9} {'shape':<18} layout"]
     for name, meta in sorted(index["tensors"].items()):
         lay = meta["layout"]

@@ -28,13 +28,20 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     parameter is, as with torch, a DTensor on the tp mesh whose local tensor is its
     TP-local piece. On exit edits are written back to the shards (``writeback``).
     ``rank0_only``: only rank 0 gets them (no writeback). ``offload_to_cpu``: the full
-    copies live on the CPU. ``with_grads``: their ``.grad`` is the full gradient too."""
+    copies live on the CPU. ``with_grads``: their ``.grad`` is the full gradient too.
+
+    A unit already being summoned cannot be summoned again (torch's rule): the nested call
+    raises torch's AssertionError on every rank alike, before any collective. A child
+    inside its parent's ``recurse=False`` summon is a different unit, and is allowed."""
     if rank0_only and writeback:
         raise NotImplementedError("summon_full_params: writeback=True with rank0_only=True is not supported "
                                   "(as with torch); pass writeback=False")
     found = units(module) if recurse else ([module] if "_fsdp1_group" in module.__dict__ else [])
     if not recurse and not found:
         raise ValueError("summon_full_params(recurse=False) needs a FullyShardedDataParallel unit")
+    if any(u.__dict__.get("_fsdp1_summoning") for u in found):
+        # the flags are the same on every rank, so every rank raises here, none gathers
+        raise AssertionError("Cannot manually unshard parameters when already unsharding parameters")
     groups = [u._fsdp1_group for u in found if u._fsdp1_group is not None]
     keep = not rank0_only or dist.get_rank() == 0
     for g in groups:
@@ -53,10 +60,14 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             for owner, name in [(p.module, p.name), *p.aliases]:
                 owner._parameters[name] = full
     _LOCAL.summon = summon_depth() + 1
+    for u in found:
+        u.__dict__["_fsdp1_summoning"] = True
     try:
         yield
     finally:
         _LOCAL.summon = summon_depth() - 1
+        for u in found:
+            u.__dict__["_fsdp1_summoning"] = False
         with torch.no_grad():
             for g in groups:
                 for p in g.params:

@@ -63,7 +63,14 @@ def _rank(rank: dict, gpu: dict) -> list[str]:
 
 
 def format_report(report: dict, config: str) -> str:
-    lines = _header(report, config)
-    for rank in report["ranks"]:
-        lines += _rank(rank, report["gpu_figures"])
-    return "\n".join(lines)
+    return f"{format_header(report, config)}\n{format_ranks(report)}"
+
+
+def format_header(report: dict, config: str) -> str:
+    """What is known before the dry runs: the job, the mesh, the model and the batch."""
+    return "\n".join(_header(report, config))
+
+
+def format_ranks(report: dict) -> str:
+    """Each dry-run rank's memory, collectives and estimate."""
+    return "\n".join(line for rank in report["ranks"] for line in _rank(rank, report["gpu_figures"]))

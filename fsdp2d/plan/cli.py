@@ -26,17 +26,23 @@ import multiprocessing
 import os
 import sys
 import time
+from typing import Callable
 
 from fsdp2d.train.config import ConfigError, JobConfig, load_config, validate
 
-from ._format import format_report
+from ._format import format_header, format_ranks
 from .estimate import GPUS, comm_table, estimate, roofline_seconds
 
 __all__ = ["main", "plan", "resolve"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fsdp2d plan", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="fsdp2d plan", description=__doc__.split("\n\n")[0],
+        usage="fsdp2d plan --config CONFIG [options] [--section.key=value ...]",
+        epilog="Any --section.key=value overrides that config field, as with fsdp2d train (e.g. "
+               "--parallel.tp=8 --training.global_batch=1024 --model.n_layers=40); fsdp2d train --help lists "
+               "the fields.")
     ap.add_argument("--config", required=True, help="a TOML preset (configs/*.toml)")
     ap.add_argument("--world-size", type=int, help="GPUs in the job (default: the config's mesh)")
     ap.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node; instead of --world-size)")
@@ -95,8 +101,11 @@ def _dry_runs(cfg: JobConfig, world: int, ranks: list[int]) -> list[tuple[dict, 
         return pool.starmap(_timed_dry_run, [(cfg, world, rank) for rank in ranks])
 
 
-def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_node: int) -> dict:
-    """Dry-run ``ranks`` and estimate them on ``gpu_name``; the JSON report."""
+def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_node: int,
+         on_header: Callable[[dict], None] | None = None) -> dict:
+    """Dry-run ``ranks`` and estimate them on ``gpu_name``; the JSON report.
+    ``on_header`` gets the report without its ranks before the dry runs start (they
+    take minutes at scale: ``fsdp2d plan`` prints the header then)."""
     from fsdp2d.models import GPT2, Llama
 
     import torch
@@ -111,6 +120,8 @@ def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_n
               "model_params": model.num_params(), "flops_per_token": flops_per_token,
               "tokens_per_gpu_per_step": tokens_per_gpu,
               "micro_batch": cfg.micro_batch, "accum_steps": cfg.accum_steps, "ranks": []}
+    if on_header is not None:
+        on_header(report)
     for rank, (measured, seconds) in zip(ranks, _dry_runs(cfg, world, ranks)):
         ops = measured.pop("ops")
         compute = roofline_seconds(ops, gpu)
@@ -138,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    report = plan(cfg, world, ranks, args.gpu, min(args.gpus_per_node, world))
-    print(json.dumps(report) if args.json else format_report(report, args.config))
+    def header(report: dict) -> None:
+        print(format_header(report, args.config), flush=True)
+
+    report = plan(cfg, world, ranks, args.gpu, min(args.gpus_per_node, world), None if args.json else header)
+    print(json.dumps(report) if args.json else format_ranks(report))
     return 0

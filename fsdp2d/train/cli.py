@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
+import warnings
 
 import torch.distributed as dist
 
@@ -57,12 +59,17 @@ def train(argv: list[str]) -> int:
             preflight.check_data_path(cfg)
             preflight.check_run_folder(cfg)
             nproc = cfg.parallel.nproc or cfg.world_size
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            cmd = [sys.executable, "-m", "fsdp2d.train._torchrun", "--standalone", "--nproc_per_node", str(nproc),
                    "-m", "fsdp2d.train", *argv]
-            return subprocess.call(cmd)
+            return _launch(cmd)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") != "0":
+        # torch warns once per process: rank 0's copy is shown, once. Not silenced: on a
+        # CPU mesh torch has no DTensor RNG tracker, and random init draws every rank's
+        # shard from the same generator state (the shards start equal).
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     from fsdp2d.checkpoint import CheckpointError
 
     from .trainer import Trainer  # imported only in the workers
@@ -78,6 +85,10 @@ def train(argv: list[str]) -> int:
             return 2
         trainer.start()
         trainer.run()
+    except KeyboardInterrupt:  # Ctrl-C: every rank gets SIGINT (torchrun forwards it)
+        if os.environ.get("RANK", "0") == "0":
+            print(_interrupted(trainer), file=sys.stderr, flush=True)
+        return 130
     finally:
         # Free the model (and its reference cycles) first, so the process groups are
         # destructed here, on this thread, rather than in the interpreter's exit-time
@@ -90,10 +101,50 @@ def train(argv: list[str]) -> int:
     return 0
 
 
+def _launch(cmd: list[str]) -> int:
+    """Run torchrun; on Ctrl-C (which reaches torchrun and us alike) wait for it to stop
+    its workers rather than kill it, so rank 0 can say where the run stopped."""
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan the workers
+        proc.wait()
+        return 130
+
+
+def _interrupted(trainer) -> str:
+    """The one message of an interrupted run: its step, its newest checkpoint, how to go on."""
+    if trainer is None:
+        return "interrupted before training started; nothing to resume"
+    latest = trainer.ckpts.latest()
+    where = f"latest checkpoint: {latest}" if latest else "no checkpoint yet (--resume starts again from step 0)"
+    return (f"interrupted at step {trainer.step}; {where}. Continue with the same command plus --resume "
+            f"(make train ARGS=--resume)")
+
+
+_COMMANDS = {
+    "train": "train a model on this machine or under torchrun (--config FILE.toml, --resume)",
+    "plan": "will a job fit and how fast will it run, before getting the GPUs (a dry run)",
+    "plot": "the loss curve of a run as runs/NAME/loss.png",
+    "pretokenize": "tokenize a text corpus once into the token files training reads",
+    "generate": "sample text from a checkpoint on one process",
+}
+
+
+def _usage() -> str:
+    rows = "\n".join(f"  {name:<12} {what}" for name, what in _COMMANDS.items())
+    return f"usage: fsdp2d COMMAND [--help] ...\n\ncommands:\n{rows}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("train", "plot", "plan", "pretokenize", "generate"):
-        print("usage: fsdp2d {train,plot,plan,pretokenize,generate} ...  (fsdp2d train --help)", file=sys.stderr)
+    if argv and argv[0] in ("-h", "--help"):
+        print(_usage(), end="")
+        return 0
+    if not argv or argv[0] not in _COMMANDS:
+        said = f"fsdp2d: unknown command {argv[0]!r}\n" if argv else ""
+        print(f"{said}{_usage()}", end="", file=sys.stderr)
         return 2
     if argv[0] == "plan":  # dry run of one rank under the fake process group (fsdp2d.plan)
         from fsdp2d.plan.cli import main as plan_main

@@ -63,7 +63,7 @@ class Metrics:
         self.path = run_dir / "metrics.jsonl"
         self.tty = sys.stdout.isatty()
         self.writers = list(writers)  # TensorBoard / W&B (fsdp2d.train.writers), fed every logged record
-        self._t0, self._step0 = time.perf_counter(), None  # for the ETA (a resumed run starts mid-way)
+        self._first: tuple[int, float] | None = None  # (step, time) of the first step shown: for the ETA
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -75,16 +75,32 @@ class Metrics:
             writer.write(record)
         self.progress(record, final=True)
 
+    def forget_after(self, step: int) -> None:
+        """(On resume from ``step``.) Drop the lines of later steps: the resumed run logs
+        them again, and a run stopped between a log and a checkpoint had logged them."""
+        if not self.enabled or not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        if len(kept) != len(lines):
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(self.path)  # whole or not at all
+
     def close(self) -> None:
         for writer in self.writers:
             writer.close()
 
-    def eta(self, step: int) -> str:
-        """Time left at the mean step time of this invocation, ``h:mm:ss``."""
-        if self._step0 is None:
-            self._step0 = step - 1
-        done = step - self._step0
-        left = (time.perf_counter() - self._t0) / max(done, 1) * max(self.total - step, 0)
+    def eta(self, step: int) -> str | None:
+        """Time left, ``h:mm:ss``, at the mean time of the steps since the first one shown
+        (start-up and the first, slowest step do not count); None until 3 are timed."""
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = (step, now)
+        step0, t0 = self._first
+        if step - step0 < 3:
+            return None
+        left = (now - t0) / (step - step0) * max(self.total - step, 0)
         return f"{int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
 
     def progress(self, record: dict[str, Any], final: bool = False) -> None:
@@ -98,7 +114,8 @@ class Metrics:
                 f"{record['tokens_per_s']:.0f} tok/s mfu {100 * record['mfu']:.2f}%")
         if "eval_loss" in record:
             text += f" eval {record['eval_loss']:.4f}"
-        text += f" ETA {self.eta(step)}"
+        eta = self.eta(step)
+        text += f" ETA {eta}" if eta else ""
         if self.tty:
             print("\r" + text, end="\n" if step == self.total else "", flush=True)
         elif final:

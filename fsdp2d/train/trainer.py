@@ -138,6 +138,7 @@ class Trainer:
         with torch.device("meta"):
             meta = Llama(cfg.model.to_args()) if cfg.model.name == "llama" else GPT2(cfg.model.to_args())
         self.flops_per_token = meta.flops_per_token(cfg.data.seq_len)
+        self.num_params = meta.num_params()
         self.peak = device_peak(cfg.parallel.device, cfg.metrics.peak_flops)
 
     def _preflight(self):
@@ -163,8 +164,23 @@ class Trainer:
             if self.cfg.checkpoint.overwrite and not preflight.resuming(self.cfg):
                 preflight.clear_earlier_run(self.cfg)
             save_config(self.cfg, self.cfg.run_dir / "config.toml")
+            print(self._start_line(), flush=True)
         if dist.get_world_size() > 1:
             dist.barrier()
+
+    def _start_line(self) -> str:
+        cfg, t = self.cfg, self.cfg.training
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(cfg.mesh_dim_names, cfg.mesh_shape))
+        stop = min(t.steps, t.stop_at) if t.stop_at else t.steps
+        return (f"fsdp2d train: {cfg.model.name} {self.num_params:,} parameters, mesh {mesh} "
+                f"({dist.get_world_size()} ranks), steps {self.step + 1}-{stop} of {t.steps}, "
+                f"run folder {cfg.run_dir}")
+
+    def _end_line(self, hf: str | None) -> str:
+        latest, kept = self.ckpts.latest(), len(self.ckpts.steps())
+        saved = f"latest checkpoint {latest} ({kept} kept)" if latest else "no checkpoint"
+        export = hf or ("none (no checkpoint)" if self.cfg.checkpoint.export_hf else "off (checkpoint.export_hf)")
+        return f"done: step {self.step} of {self.cfg.training.steps}; {saved}; HF export: {export}"
 
     # -- resume ------------------------------------------------------------------------
     def maybe_resume(self) -> None:
@@ -190,10 +206,12 @@ class Trainer:
             self.step = step
             if self.rank == 0:
                 print(f"resumed from {path} at step {self.step}", flush=True)
+            self.metrics.forget_after(self.step)
             return
         if failures:
             raise ckpt.CheckpointError(f"no checkpoint in {self.ckpts.folder} loads into this run; the newest "
                                        f"says: {failures[0]}")
+        self.metrics.forget_after(0)  # no checkpoint: the run starts again from step 0
 
     def save(self) -> None:
         extra = {"step": self.step, "data": self.data.train.state_dict(), "rng": _rng_state(),
@@ -302,6 +320,10 @@ class Trainer:
                 self.save()
             t0, step0 = time.perf_counter(), step
         self.metrics.close()
+        hf = None
         if cfg.checkpoint.export_hf and self.rank == 0 and (last := self.ckpts.latest()) is not None:
-            export_hf(last, cfg.run_dir / "hf")  # what transformers (and vLLM) load
+            hf = cfg.run_dir / "hf"
+            export_hf(last, hf)  # what transformers (and vLLM) load
+        if self.rank == 0:
+            print(self._end_line(hf), flush=True)
         return record

@@ -291,3 +291,39 @@ def test_fsdp1_training_semantics_match_torch(pool):
             assert r[f"low_grads_uop{uop}"] == {"torch": ["torch.bfloat16"], "fsdp2d": ["torch.bfloat16"]}, (rank, r)
             # bf16 gradients (relative 2^-8) summed in other orders, lr=1: a few bf16 ulps
             assert r[f"low_grads_uop{uop}_param_diff"] < 1e-3, (rank, r)
+
+
+def job_nested_summon() -> dict:
+    """A nested ``summon_full_params`` (issue 21 item 9): torch's FSDP1 refuses a unit that
+    is already summoned, the same AssertionError on every rank before any collective;
+    fsdp2d used to raise different shape errors per rank and hang the next collective.
+    A child summoned inside its root's ``recurse=False`` summon is allowed (torch too)."""
+    from tests.dist._fsdp1 import imports
+
+    out: dict = {}
+    for impl in ("torch", "fsdp2d"):
+        api = imports(impl)
+        FSDP = api.FullyShardedDataParallel
+        model = FSDP(_llama(), auto_wrap_policy=_policy(), use_orig_params=True, device_id=torch.device("cpu"))
+        with FSDP.summon_full_params(model, writeback=True):
+            out[f"{impl}_same"] = capture_error(lambda: FSDP.summon_full_params(model, writeback=True).__enter__())
+            out[f"{impl}_child"] = capture_error(
+                lambda: FSDP.summon_full_params(model.layers[0], writeback=True).__enter__())
+        with FSDP.summon_full_params(model, recurse=False, writeback=True):
+            with FSDP.summon_full_params(model.layers[0], writeback=True):
+                out[f"{impl}_child_of_unrecursed"] = tuple(model.layers[0].attention.wq.weight.shape)
+        t = torch.ones(1)
+        dist.all_reduce(t)  # every rank is still in step: this used to hang
+        out[f"{impl}_after"] = t.item()
+        out[f"{impl}_losses"] = _train(model, 1)
+    return out
+
+
+def test_fsdp1_nested_summon_raises_like_torch(pool):
+    for rank, r in enumerate(pool.run(job_nested_summon)):
+        for case in ("same", "child"):
+            assert r[f"torch_{case}"] is not None and r[f"fsdp2d_{case}"] == r[f"torch_{case}"], (rank, case, r)
+        assert r["fsdp2d_child_of_unrecursed"] == r["torch_child_of_unrecursed"] == (32, 32), (rank, r)
+        assert r["fsdp2d_after"] == r["torch_after"] == 4.0, (rank, r)
+        # fp32, same data, one step: as in test_fsdp1_training_semantics_match_torch
+        assert abs(r["fsdp2d_losses"][0] - r["torch_losses"][0]) < 1e-5, (rank, r)

@@ -19,7 +19,7 @@ def launches(monkeypatch):
     """No worker is ever started: the command torchrun would get is recorded instead."""
     calls = []
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli, "_launch", lambda cmd: calls.append(cmd) or 0)
     return calls
 
 
@@ -71,3 +71,14 @@ def test_fresh_run_refuses_an_earlier_runs_folder(launches, capsys, tmp_path):
 def test_missing_data_path(launches, capsys, tmp_path):
     code = cli.train(["--config", CONFIG, f"--data.path={tmp_path / 'none'}", f"--metrics.runs_dir={tmp_path}"])
     _one_line_error(capsys, code, "does not exist")
+
+
+def test_help_lists_the_subcommands(capsys):
+    """Issue 21 item 14: ``fsdp2d --help`` exited 2 with one usage line."""
+    assert cli.main(["--help"]) == 0 and cli.main(["-h"]) == 0
+    out = capsys.readouterr().out
+    for name in ("train", "plan", "plot", "pretokenize", "generate"):
+        assert f"\n  {name} " in out, out
+    assert cli.main([]) == 2 and cli.main(["nope"]) == 2
+    err = capsys.readouterr().err
+    assert "plan" in err and "nope" in err, err

@@ -45,7 +45,8 @@ def test_tensorboard_and_wandb_get_every_logged_record(tmp_path, monkeypatch, ca
     assert made["wandb"].kwargs["mode"] == "offline" and made["wandb"].kwargs["config"] == {"a": 1}
     assert made["wandb"].calls[0] == ({f"train/{k}": float(v) for k, v in record.items() if k != "step"}, 1)
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == record
-    assert "ETA 0:00:0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step 1/2 loss 2.5000" in out and "ETA" not in out  # no step timed yet: no ETA (see below)
 
 
 @pytest.mark.parametrize("option,package", [("--metrics.tensorboard=true", "torch.utils.tensorboard"),
@@ -56,3 +57,20 @@ def test_missing_package_fails_at_start_with_the_install_command(tmp_path, monke
     with pytest.raises(ImportError, match=f"pip install {package.split('.')[-1]}"):
         build_writers(cfg.metrics, tmp_path, {})
     assert build_writers(load_config(None, []).metrics, tmp_path, {}) == []
+
+
+def test_eta_waits_for_steady_state_steps(tmp_path, monkeypatch, capsys):
+    """Issue 21 item 15: the first ETA counted the start-up and the first (slowest) step
+    against every step left (0:19:33 for a 1.5 min run). None is shown until 3 steps are
+    timed after the first printed one; then it is their mean step time."""
+    from fsdp2d.train import metrics as M
+
+    clock = iter([20.0, 21.0, 22.0, 23.0])  # steps 1-4 logged at these times, 20 s after start-up
+    monkeypatch.setattr(M.time, "perf_counter", lambda: next(clock))
+    m = M.Metrics(tmp_path, 100, enabled=True)
+    record = {"loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0, "mfu": 0.0}
+    for step in range(1, 5):
+        m.log({**record, "step": step})
+    lines = capsys.readouterr().out.splitlines()
+    assert not any("ETA" in line for line in lines[:3]), lines
+    assert lines[3].endswith("ETA 0:01:36"), lines  # (23 - 20) s / 3 steps x 96 steps left
