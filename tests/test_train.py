@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config", str(ROOT / "configs" / "debug_cpu.toml"), "--model.dim=32", "--model.n_layers=2",
          "--model.n_heads=4", "--model.n_kv_heads=2", "--model.max_seq_len=32", "--data.seq_len=32",
          "--training.steps=8", "--training.global_batch=8", "--training.log_every=1", "--training.eval_every=4",
-         "--training.eval_steps=2", "--checkpoint.every=4", "--checkpoint.keep_last=3"]
+         "--training.eval_steps=2", "--checkpoint.every=4", "--checkpoint.keep_last=3",
+         "--optim.warmup_steps=2"]  # a clear loss drop within 8 steps (20 warmup steps: noise)
 
 
 def _train(runs: Path, name: str, *extra: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:

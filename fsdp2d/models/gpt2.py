@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._init import init_
 from ._tie import retie
 
 __all__ = ["GPT2Args", "GPT2", "Block", "CausalSelfAttention", "MLP"]
@@ -132,8 +133,8 @@ class GPT2(nn.Module):
         """
         del buffer_device
         proj_std = 0.02 / math.sqrt(2 * self.args.n_layer)
-        nn.init.normal_(self.wte.weight, std=0.02)
-        nn.init.normal_(self.wpe.weight, std=0.02)
+        init_(self.wte.weight, lambda x: nn.init.normal_(x, std=0.02))
+        init_(self.wpe.weight, lambda x: nn.init.normal_(x, std=0.02))
         for block in self.h:
             _init_layer_norm(block.ln_1)
             for lin in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
@@ -177,7 +178,7 @@ class GPT2(nn.Module):
 
 
 def _init_linear(lin: nn.Linear, std: float) -> None:
-    nn.init.normal_(lin.weight, mean=0.0, std=std)
+    init_(lin.weight, lambda x: nn.init.normal_(x, mean=0.0, std=std))
     if lin.bias is not None:
         nn.init.zeros_(lin.bias)
 

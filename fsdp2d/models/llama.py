@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._init import init_
 from ._tie import retie
 
 __all__ = [
@@ -282,7 +283,7 @@ class Llama(nn.Module):
         device = self.rope_cache.device if buffer_device is None else buffer_device
         a = self.args
         self.rope_cache = precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, device, a.rope_scaling)
-        nn.init.normal_(self.tok_embeddings.weight, std=1.0)
+        init_(self.tok_embeddings.weight, lambda x: nn.init.normal_(x, std=1.0))
         for layer in self.layers:
             layer.init_weights()
         self.norm.reset_parameters()
@@ -317,4 +318,4 @@ class Llama(nn.Module):
 
 
 def _trunc_normal(t: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
-    nn.init.trunc_normal_(t, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+    init_(t, lambda x: nn.init.trunc_normal_(x, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std))
