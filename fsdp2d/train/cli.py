@@ -67,8 +67,9 @@ def train(argv: list[str]) -> int:
         return 2
     if os.environ.get("RANK", "0") != "0":
         # torch warns once per process: rank 0's copy is shown, once. Not silenced: on a
-        # CPU mesh torch has no DTensor RNG tracker, and random init draws every rank's
-        # shard from the same generator state (the shards start equal).
+        # CPU mesh torch has no DTensor RNG tracker, so a random op on a DTensor draws
+        # every rank's shard from the same generator state (fsdp2d's models initialise
+        # through fsdp2d.models._init.init_, which does not; a user's own init may).
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     from fsdp2d.checkpoint import CheckpointError
 
