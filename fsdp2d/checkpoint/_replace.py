@@ -7,6 +7,12 @@ file by file would leave the old index or shards beside the new weights, and a r
 written into a staging folder inside ``out`` (same file system: renames are atomic),
 then :func:`_swap` moves the old model files aside and the new ones in; other files
 (a tokenizer, a README) stay. A failed export leaves the previous one as it was.
+
+A killed export (SIGKILL, power loss) cannot roll back: killed while writing, it leaves
+a staging folder and the old export intact; killed inside the swap (a few renames), a mix
+whose old files wait in ``STAGE/.previous``. Readers refuse a folder in that state
+(``fsdp2d._export_stage.interrupted_swap``, loudly, never a mix of two models), and the next export into
+it (``--resume`` ends with one) replaces every model file and removes stale stages.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from .._export_stage import STAGE_PREFIX
 from ._index import CheckpointError
 
 __all__ = ["write_replacing"]
@@ -33,12 +40,15 @@ def write_replacing(out: Path, ckpt: Path, write: Callable[[Path], list[str]]) -
     if os.path.realpath(out) == os.path.realpath(ckpt):
         raise CheckpointError(f"{out} is the checkpoint being exported: export into another folder")
     out.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".fsdp2d-export-", dir=out))
+    stale = [p for p in out.glob(STAGE_PREFIX + "*") if p.is_dir()]  # left by killed exports
+    stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=out))
     try:
         reported = write(stage)
         _swap(stage, out, sorted(p.name for p in stage.iterdir()))
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+    for p in stale:  # only now: until the swap, one may hold the files of a half-swapped export
+        shutil.rmtree(p, ignore_errors=True)
     return [out / name for name in reported]
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from .._export_stage import interrupted_swap
 from ._hf_config import HFError
 
 __all__ = ["HFFolder", "ReadStats", "FLOAT_DTYPES"]
@@ -60,6 +61,11 @@ class HFFolder:
         self.path = Path(path)
         if not self.path.is_dir():
             raise HFError(f"{self.path}: not a folder (a Hugging Face model folder holds config.json and weights)")
+        previous = interrupted_swap(self.path)
+        if previous is not None:
+            raise HFError(f"{self.path}: an export into this folder was killed while replacing its model files "
+                          f"(the earlier ones wait in {previous}): it may hold parts of two models. Export again "
+                          f"(the launcher's --resume ends with one) or restore the files from {previous}")
         self._root = os.path.realpath(self.path)
         # The Hugging Face hub cache keeps a revision as snapshots/<rev>/NAME -> ../../blobs/<sha>:
         # that one sibling folder is part of the model too.

@@ -53,6 +53,48 @@ def test_a_failed_export_keeps_the_old_one(tmp_path, monkeypatch):
 
 
 
+_KILL_MID_SWAP = """
+import os, sys
+import fsdp2d.checkpoint._replace as R
+from fsdp2d.checkpoint._hf import export_hf
+real, calls = os.replace, []
+def replace(src, dst):
+    calls.append(1)
+    if len(calls) > int(sys.argv[3]):  # SIGKILL-like: no rollback, no cleanup
+        os._exit(9)
+    real(src, dst)
+R.os.replace = replace
+export_hf(sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("renames", [0, 2, 5])
+def test_an_export_killed_inside_its_swap_is_refused_then_replaced(tmp_path, renames):
+    """Killed after ``renames`` renames of the swap (old files moved aside, new ones not
+    all in): readers refuse the folder instead of loading parts of two models (before
+    any rename it is still the old export), and the next export (``--resume`` ends with
+    one) replaces every model file and removes the stale staging folder."""
+    import subprocess
+    import sys
+
+    from fsdp2d.models.hf import HFError
+
+    old, new, out = llama(seed=1), llama(seed=2), tmp_path / "out"
+    export_hf(_ckpt(old, tmp_path / "c1"), out, max_shard_bytes=8_000)
+    c2 = _ckpt(new, tmp_path / "c2")
+    proc = subprocess.run([sys.executable, "-c", _KILL_MID_SWAP, str(c2), str(out), str(renames)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    if renames == 0:  # killed before the swap moved anything: the old export, whole
+        assert torch.equal(logits(from_hf(out)), logits(old))
+    else:
+        with pytest.raises(HFError, match="killed while replacing its model files"):
+            from_hf(out)
+    export_hf(c2, out)
+    assert not list(out.glob(".fsdp2d-export-*"))
+    assert torch.equal(logits(from_hf(out)), logits(new))
+
+
 @pytest.mark.parametrize("spec", [{"arch": "bert", "args": {}}, {"arch": "llama"}, "llama",
                                   {"arch": "llama", "args": {"dim": "32"}}, {"arch": "llama", "args": {"n_heads": 0}},
                                   {"arch": "gpt2", "args": {"n_layer": -1}}])
