@@ -68,9 +68,7 @@ def _train(impl: str, kind: str, mesh_key: str, uneven: bool) -> dict:
         fully_shard(block, mesh=mesh[dp_names])
     fully_shard(model, mesh=mesh[dp_names])
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=P.EPS, weight_decay=0.1, foreach=True)
-    idx, count = 0, 1
-    for n in dp_names:
-        idx, count = idx * mesh[n].size() + mesh.get_local_rank(n), count * mesh[n].size()
+    idx, count = P.data_rank(mesh, P.Setup(mesh=shape, names=names))
     losses = []
     for step in range(STEPS):
         x, y = P.batch_for(step, P.Setup(batch=8))
