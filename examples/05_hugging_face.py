@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import fsdp2d.hf
 from fsdp2d import checkpoint, fully_shard, init_device_mesh, parallelize_module
+from fsdp2d.hf.config import config_from_hf
+from fsdp2d.hf.weights import load_hf_into
 from fsdp2d.models import Llama, llama_tp_plan
-from fsdp2d.models.hf import config_from_hf, load_hf_into
 
 VOCAB = 128
 
@@ -80,7 +82,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         import transformers
 
-        checkpoint.export_hf(f"{root}/ckpt", f"{root}/hf_out")
+        fsdp2d.hf.export_hf(f"{root}/ckpt", f"{root}/hf_out")
         hf = transformers.AutoModelForCausalLM.from_pretrained(f"{root}/hf_out").eval()
         with torch.no_grad():
             theirs = hf(x).logits

@@ -5,13 +5,13 @@ file's header); a JSON index records every tensor's dtype, global shape and layo
 the mesh, so its size does not grow with the world size. ``load`` reads, on any mesh (or
 an unparallelized model), only the files and slices each rank needs.
 ``python -m fsdp2d.checkpoint export CKPT OUT`` writes a Hugging Face-style full export
-(``--format hf``: HF names and ``config.json``, loadable by ``transformers``);
+(``--format hf``: HF names and ``config.json``, loadable by ``transformers``; in code
+:func:`fsdp2d.hf.export_hf`);
 ``inspect CKPT`` prints a summary.
 """
 
 from ._api import CheckpointManager, export, get_model_state_dict, inspect
-from ._hf import export_hf
 from ._io import CheckpointError, load, read_index, save
 
 __all__ = ["save", "load", "get_model_state_dict", "CheckpointManager", "CheckpointError", "export", "inspect",
-           "read_index", "export_hf"]
+           "read_index"]

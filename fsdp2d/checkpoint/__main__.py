@@ -3,9 +3,9 @@
 import argparse
 import sys
 
-from ..models.hf import HFError
+from ..hf.config import HFError
 from . import CheckpointError, export, inspect
-from ._hf import export_hf
+from ..hf.export import export_hf
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -204,7 +204,7 @@ def _index_document(*, tensors: dict, world_size: int, mesh: dict, extra: dict, 
 def _model_spec(model: torch.nn.Module) -> dict | None:
     """``{"arch", "args"}`` of an fsdp2d Llama or GPT2 (an FSDP1 wrapper's too), which
     ``export --format hf`` needs to write ``config.json``; None for any other model."""
-    from ..models.hf import HFError, model_spec
+    from ..hf.weights import HFError, model_spec
 
     for m in (model, getattr(model, "module", None)):
         try:

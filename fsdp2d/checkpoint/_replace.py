@@ -3,7 +3,7 @@
 An export folder may already hold an earlier export, of another layout (one
 ``model.safetensors`` then, shards and an index now, or the reverse). Writing over it
 file by file would leave the old index or shards beside the new weights, and a reader
-(transformers, :func:`fsdp2d.models.from_hf`) could load the old model. So an export is
+(transformers, :func:`fsdp2d.hf.from_hf`) could load the old model. So an export is
 written into a staging folder inside ``out`` (same file system: renames are atomic),
 then :func:`_swap` moves the old model files aside and the new ones in; other files
 (a tokenizer, a README) stay. A failed export leaves the previous one as it was.

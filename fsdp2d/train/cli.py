@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import preflight
 from .config import ConfigError, help_text, load_config, validate
-from .hf import apply_init_from
+from ..hf.launch import apply_init_from
 from .pretokenize import apply_pretokenize
 
 

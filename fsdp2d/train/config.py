@@ -61,9 +61,9 @@ class ConfigError(ValueError):
 
 def read_init_from(path: str) -> tuple[str, Any]:
     """The architecture and model arguments of the HF folder ``path`` (``model.init_from``),
-    read as :func:`fsdp2d.models.from_hf` reads it: only files inside the folder, every
+    read as :func:`fsdp2d.hf.from_hf` reads it: only files inside the folder, every
     field checked, the sizes compared with the weights. Raises :class:`ConfigError`."""
-    from fsdp2d.models.hf import HFError, HFFolder, check_sizes, config_from_hf
+    from fsdp2d.hf.weights import HFError, HFFolder, check_sizes, config_from_hf
 
     try:
         with HFFolder(path) as folder:

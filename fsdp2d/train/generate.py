@@ -19,7 +19,7 @@ import torch
 
 from fsdp2d import checkpoint
 from fsdp2d.models import GPT2, Llama
-from fsdp2d.models.hf import HFError, args_from_spec
+from fsdp2d.hf.weights import HFError, args_from_spec
 
 __all__ = ["load_model", "sample", "main"]
 

@@ -35,10 +35,11 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 import fsdp2d
 from fsdp2d import checkpoint as ckpt
-from fsdp2d.checkpoint import export_hf
-from fsdp2d.models import GPT2, Llama, gpt2_tp_plan, llama_tp_plan, load_hf_into
+from fsdp2d.hf.export import export_hf
+from fsdp2d.hf.weights import load_hf_into
+from fsdp2d.models import GPT2, Llama, gpt2_tp_plan, llama_tp_plan
 from fsdp2d.mesh import axis_size
-from fsdp2d.models.hf import model_spec
+from fsdp2d.hf.weights import model_spec
 
 from . import preflight
 from .config import JobConfig, save_config, validate

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import fsdp2d
-import fsdp2d.plans
+import fsdp2d.hf
 from fsdp2d.checkpoint._entries import model_entries
 from fsdp2d.models import GPT2, Llama
-from fsdp2d.models.hf import config_from_hf, load_hf_into, model_spec
+from fsdp2d.hf.weights import config_from_hf, load_hf_into, model_spec
 
 from . import _parity as P
 
@@ -72,7 +72,7 @@ def hf_model(kind: str) -> torch.nn.Module:
 
 
 def job_hf_model_parity(kind: str, mesh_shape: tuple, steps: int) -> dict:
-    """The transformers model itself: TP with fsdp2d.plans.from_hf, fully_shard per block
+    """The transformers model itself: TP with fsdp2d.hf.tp_plan, fully_shard per block
     and root over dp, ``steps`` AdamW steps against the same model on one process."""
     import copy
 
@@ -80,7 +80,7 @@ def job_hf_model_parity(kind: str, mesh_shape: tuple, steps: int) -> dict:
     ref = hf_model(kind)
     model = copy.deepcopy(ref)
     mesh = P.get_mesh(mesh_shape, ("dp", "tp"))
-    fsdp2d.parallelize_module(model, mesh["tp"], fsdp2d.plans.from_hf(model))
+    fsdp2d.parallelize_module(model, mesh["tp"], fsdp2d.hf.tp_plan(model))
     for block in (model.transformer.h if kind.startswith("gpt2") else model.model.layers):
         fsdp2d.fully_shard(block, mesh=mesh["dp"])
     try:

@@ -73,11 +73,11 @@ def logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def parallelize(model: torch.nn.Module, kind: str, s: P.Setup):
     if kind != "hf":
         return P.parallelize(model, s)[0]
-    import fsdp2d.plans
+    import fsdp2d.hf
 
     mesh = P.get_mesh(s.mesh, s.names)
     if "tp" in s.names:
-        fsdp2d.parallelize_module(model, mesh["tp"], fsdp2d.plans.from_hf(model))
+        fsdp2d.parallelize_module(model, mesh["tp"], fsdp2d.hf.tp_plan(model))
     for block in blocks(model):
         fsdp2d.fully_shard(block, mesh=mesh["dp"])
     fsdp2d.fully_shard(model, mesh=mesh["dp"])

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from fsdp2d.checkpoint import export_hf
+from fsdp2d.hf import export_hf
 
 from .. import hf_models as H
 from . import _hf as J

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsdp2d
-import fsdp2d.plans
+import fsdp2d.hf
 from fsdp2d.models import GPT2, GPT2Args, Llama, LlamaArgs, gpt2_tp_plan, llama_tp_plan
 from fsdp2d.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from fsdp2d.testing import check_parallel
@@ -79,7 +79,7 @@ def build_hf_llama():
 
 
 def parallelize_hf(model, mesh):
-    fsdp2d.parallelize_module(model, mesh["tp"], fsdp2d.plans.from_hf(model))
+    fsdp2d.parallelize_module(model, mesh["tp"], fsdp2d.hf.tp_plan(model))
     _shard_blocks(model, model.model.layers, mesh)
 
 

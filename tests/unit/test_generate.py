@@ -4,7 +4,7 @@ import torch
 
 from fsdp2d import checkpoint
 from fsdp2d.models import Llama, LlamaArgs
-from fsdp2d.models.hf import model_spec
+from fsdp2d.hf.weights import model_spec
 from fsdp2d.train.cli import main
 from fsdp2d.train.generate import load_model, sample
 

@@ -14,9 +14,9 @@ import torch
 
 from fsdp2d import checkpoint
 from fsdp2d.checkpoint.__main__ import main as ckpt_main
-from fsdp2d.models import from_hf
+from fsdp2d.hf import from_hf
 from fsdp2d.models.llama import precompute_rope
-from fsdp2d.models.hf import HFError, config_from_hf, load_hf_into, model_spec
+from fsdp2d.hf.weights import HFError, config_from_hf, load_hf_into, model_spec
 
 from .. import hf_models as H
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from fsdp2d import checkpoint
-from fsdp2d.checkpoint._hf import export_hf
-from fsdp2d.models import from_hf
-from fsdp2d.models.hf import model_spec
+from fsdp2d.hf.export import export_hf
+from fsdp2d.hf import from_hf
+from fsdp2d.hf.weights import model_spec
 
 from .test_hf_hostile import llama, logits
 
@@ -33,7 +33,7 @@ def test_a_failed_export_keeps_the_old_one(tmp_path, monkeypatch):
     old, out = llama(seed=1), tmp_path / "out"
     export_hf(_ckpt(old, tmp_path / "c1"), out, max_shard_bytes=8_000)
     files = sorted(p.name for p in out.iterdir())
-    import fsdp2d.checkpoint._hf as E
+    import fsdp2d.hf.export as E
 
     calls = []
 
@@ -56,7 +56,7 @@ def test_a_failed_export_keeps_the_old_one(tmp_path, monkeypatch):
 _KILL_MID_SWAP = """
 import os, sys
 import fsdp2d.checkpoint._replace as R
-from fsdp2d.checkpoint._hf import export_hf
+from fsdp2d.hf.export import export_hf
 real, calls = os.replace, []
 def replace(src, dst):
     calls.append(1)
@@ -77,7 +77,7 @@ def test_an_export_killed_inside_its_swap_is_refused_then_replaced(tmp_path, ren
     import subprocess
     import sys
 
-    from fsdp2d.models.hf import HFError
+    from fsdp2d.hf.weights import HFError
 
     old, new, out = llama(seed=1), llama(seed=2), tmp_path / "out"
     export_hf(_ckpt(old, tmp_path / "c1"), out, max_shard_bytes=8_000)
@@ -99,7 +99,7 @@ def test_an_export_killed_inside_its_swap_is_refused_then_replaced(tmp_path, ren
                                   {"arch": "llama", "args": {"dim": "32"}}, {"arch": "llama", "args": {"n_heads": 0}},
                                   {"arch": "gpt2", "args": {"n_layer": -1}}])
 def test_a_hostile_model_spec_is_one_hferror(tmp_path, spec):
-    from fsdp2d.models.hf import HFError
+    from fsdp2d.hf.weights import HFError
 
     with pytest.raises(HFError, match="spec"):
         export_hf(_ckpt(llama(seed=1), tmp_path / "c"), tmp_path / "out", spec=spec)

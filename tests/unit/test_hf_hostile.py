@@ -24,9 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from fsdp2d.models import _hf_files as F
-from fsdp2d.models import Llama, LlamaArgs, from_hf, load_hf_into
-from fsdp2d.models.hf import HFError, hf_config, hf_rule
+from fsdp2d.hf import files as F
+from fsdp2d.hf import from_hf, load_hf_into
+from fsdp2d.models import Llama, LlamaArgs
+from fsdp2d.hf.weights import HFError, hf_config, hf_rule
 
 ARGS = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=48, max_seq_len=16,
             rope_theta=10000.0, norm_eps=1e-5)
@@ -185,7 +186,7 @@ def test_symlinks_inside_the_folder_are_fine(tmp_path):
 
 def test_init_from_refuses_a_config_outside(tmp_path):
     from fsdp2d.train.config import ConfigError, load_config
-    from fsdp2d.train.hf import apply_init_from
+    from fsdp2d.hf.launch import apply_init_from
 
     decoy = _outside(tmp_path)
     folder = write(llama(seed=1), tmp_path / "hf")
@@ -457,7 +458,7 @@ def test_null_fields_take_their_defaults(tmp_path):
 
 def test_a_read_error_after_validation_says_partial(base, monkeypatch):
     """The one failure no check can foresee (the disk, mid-copy) is named as such."""
-    import fsdp2d.models.hf as M
+    import fsdp2d.hf.weights as M
 
     calls = []
 

@@ -1,13 +1,13 @@
-"""fsdp2d.plans.from_hf: HF plan strings -> fsdp2d styles, and its errors (no process group)."""
+"""fsdp2d.hf.tp_plan: HF plan strings -> fsdp2d styles, and its errors (no process group)."""
 
 from types import SimpleNamespace
 
 import pytest
 from torch import nn
 
-import fsdp2d.plans
+import fsdp2d.hf
 from fsdp2d.placement import Replicate, Shard
-from fsdp2d.tensor_parallel.hf import ColwiseConv1D, DivideAttributes, RowwiseConv1D
+from fsdp2d.hf.styles import ColwiseConv1D, DivideAttributes, RowwiseConv1D
 
 T = pytest.importorskip("transformers")
 
@@ -21,7 +21,7 @@ def _fake(plan: dict) -> nn.Module:
 def test_llama_plan_is_translated():
     cfg = T.LlamaConfig(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=64)
-    plan = fsdp2d.plans.from_hf(T.LlamaForCausalLM(cfg))
+    plan = fsdp2d.hf.tp_plan(T.LlamaForCausalLM(cfg))
     assert plan["model.layers.*.self_attn.q_proj"].linear.output_layout == Shard(-1)
     assert plan["model.layers.*.self_attn.o_proj"].linear.output_layout == Replicate()
     assert plan["lm_head"].linear.output_layout == Replicate()  # colwise_gather_output
@@ -30,7 +30,7 @@ def test_llama_plan_is_translated():
 
 def test_gpt2_gets_the_builtin_conv1d_plan():
     model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=8))
-    plan = fsdp2d.plans.from_hf(model)
+    plan = fsdp2d.hf.tp_plan(model)
     assert isinstance(plan["transformer.h.*.attn.c_attn"], ColwiseConv1D) and plan["transformer.h.*.attn.c_attn"].fused == 3
     assert isinstance(plan["transformer.h.*.mlp.c_proj"], RowwiseConv1D)
     assert plan["transformer.h.*.attn"].names == ("split_size",)
@@ -43,10 +43,10 @@ def test_gpt2_gets_the_builtin_conv1d_plan():
 
 def test_unknown_entries_are_named():
     with pytest.raises(ValueError, match=r"'layers.\*.mlp.gate_up_proj': 'packed_colwise'.*'x': 'local_rowwise'"):
-        fsdp2d.plans.from_hf(_fake({"layers.*.q": "colwise", "layers.*.mlp.gate_up_proj": "packed_colwise",
+        fsdp2d.hf.tp_plan(_fake({"layers.*.q": "colwise", "layers.*.mlp.gate_up_proj": "packed_colwise",
                                     "x": "local_rowwise"}))
     with pytest.raises(ValueError, match="ships no tensor-parallel plan"):
-        fsdp2d.plans.from_hf(_fake({}))
+        fsdp2d.hf.tp_plan(_fake({}))
 
 
 def test_fused_output_cannot_be_gathered():

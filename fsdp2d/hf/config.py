@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .gpt2 import GPT2Args
-from .llama import LlamaArgs
+from ..models.gpt2 import GPT2Args
+from ..models.llama import LlamaArgs
 
 __all__ = ["HFError", "config_from_hf", "hf_config", "check_against_model", "COMPUTING_FIELDS", "MAX_SIZE"]
 

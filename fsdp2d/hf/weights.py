@@ -7,7 +7,7 @@ An HF folder (``config.json`` plus ``model.safetensors`` or a sharded
 :class:`GPT2`) through one table per architecture: fsdp2d parameter -> :class:`Rule`
 (the HF tensor it comes from, whether HF stores it transposed, and which block of a
 fused HF tensor it is). The same table serves import (:func:`load_hf_into`) and export
-(:mod:`fsdp2d.checkpoint._hf`), so names cannot drift between the two directions.
+(:mod:`fsdp2d.hf.export`), so names cannot drift between the two directions.
 
 Conventions mapped:
 - GPT-2's ``Conv1D`` stores weights as ``(in, out)``: fsdp2d's ``nn.Linear`` weight
@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from ..placement import Box
-from ._hf_config import MAX_SIZE, HFError, check_against_model, config_from_hf, hf_config
-from ._hf_files import CONFIG, FLOAT_DTYPES, HFFolder, ReadStats
-from .gpt2 import GPT2, GPT2Args
-from .llama import Llama, LlamaArgs, precompute_rope
+from .config import MAX_SIZE, HFError, check_against_model, config_from_hf, hf_config
+from .files import CONFIG, FLOAT_DTYPES, HFFolder, ReadStats
+from ..models.gpt2 import GPT2, GPT2Args
+from ..models.llama import Llama, LlamaArgs, precompute_rope
 
 __all__ = ["Rule", "TABLES", "from_hf", "load_hf_into", "config_from_hf", "hf_config", "hf_rule",
            "HFError", "ReadStats", "HFFolder", "model_spec",
@@ -277,7 +277,7 @@ def from_hf(path: str | os.PathLike, *, device: torch.device | str = "cpu",
 
     Example::
 
-        model = fsdp2d.models.from_hf("path/to/hf_folder")
+        model = fsdp2d.hf.from_hf("path/to/hf_folder")
         logits = model(tokens)  # (B, T, V), equal to transformers' AutoModelForCausalLM
     """
     with HFFolder(path) as folder:

@@ -1,14 +1,14 @@
-"""Tensor-parallel plans: fsdp2d's reference models, and Hugging Face models.
+"""Tensor-parallel plans for Hugging Face models.
 
-:func:`from_hf` translates the plan an HF model ships (``config.base_model_tp_plan``
+:func:`tp_plan` translates the plan an HF model ships (``config.base_model_tp_plan``
 plus the head's ``_tp_plan``; transformers 5 merges both, prefixed, into
 ``model.tp_plan``) into fsdp2d styles, so that::
 
-    parallelize_module(hf_model, mesh["tp"], fsdp2d.plans.from_hf(hf_model))
+    parallelize_module(hf_model, mesh["tp"], fsdp2d.hf.tp_plan(hf_model))
 
 works. Each HF style string maps to one fsdp2d style; ``nn.Linear`` / ``nn.Embedding``
 get :mod:`fsdp2d.tensor_parallel`'s styles, HF's ``Conv1D`` the styles of
-:mod:`fsdp2d.tensor_parallel.hf`, chosen per module. Models that ship no plan but that
+:mod:`fsdp2d.hf.styles`, chosen per module. Models that ship no plan but that
 fsdp2d knows (GPT-2: fused ``c_attn`` split per q/k/v) get a built-in one. Strings with
 no fsdp2d equivalent (the ``local_*`` family, packed or MoE styles) raise one
 ``ValueError`` naming every such entry.
@@ -20,12 +20,12 @@ from typing import Callable
 
 from torch import nn
 
-from .models.plans import gpt2_tp_plan, llama_tp_plan
-from .placement import Replicate
-from .tensor_parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
-from .tensor_parallel.hf import ColwiseConv1D, DivideAttributes, RowwiseConv1D, is_conv1d
+from ..models.tp_plans import gpt2_tp_plan, llama_tp_plan
+from ..placement import Replicate
+from ..tensor_parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from .styles import ColwiseConv1D, DivideAttributes, RowwiseConv1D, is_conv1d
 
-__all__ = ["from_hf", "llama_tp_plan", "gpt2_tp_plan", "HF_STYLES"]
+__all__ = ["tp_plan", "HF_STYLES"]
 
 
 class _ByModule(ParallelStyle):
@@ -97,7 +97,7 @@ def _hf_strings(hf_model: nn.Module) -> dict[str, str]:
     return {**base, **(getattr(type(hf_model), "_tp_plan", None) or {})}
 
 
-def from_hf(hf_model: nn.Module) -> dict[str, ParallelStyle]:
+def tp_plan(hf_model: nn.Module) -> dict[str, ParallelStyle]:
     """An fsdp2d TP plan for a ``transformers`` model, from the plan it ships.
 
     Raises ``ValueError`` naming every entry whose style has no fsdp2d equivalent, and

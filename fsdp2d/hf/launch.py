@@ -3,14 +3,14 @@
 ``--model.init_from=PATH``: :func:`apply_init_from` (called right after the config is
 loaded, before validation) copies the HF architecture into ``[model]`` so the usual
 checks (TP degree divides the heads, ``seq_len <= max_seq_len``...) see the real model;
-the trainer then loads the weights shard by shard (:func:`fsdp2d.models.load_hf_into`)
+the trainer then loads the weights shard by shard (:func:`fsdp2d.hf.load_hf_into`)
 instead of initialising them. ``checkpoint.export_hf``: rank 0 writes the last
 checkpoint as an HF folder ``RUN/hf`` that ``transformers`` loads.
 """
 
 from __future__ import annotations
 
-from .config import JobConfig, read_init_from
+from ..train.config import JobConfig, read_init_from
 
 
 def apply_init_from(cfg: JobConfig) -> JobConfig:

@@ -27,7 +27,7 @@ from typing import Any
 from safetensors import safe_open
 
 from .._export_stage import interrupted_swap
-from ._hf_config import HFError
+from .config import HFError
 
 __all__ = ["HFFolder", "ReadStats", "FLOAT_DTYPES"]
 

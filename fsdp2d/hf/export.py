@@ -4,10 +4,10 @@
 weights under HF's names (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
 plus ``model.safetensors.index.json`` above ``max_shard_bytes``). Names, transposes and
 fused tensors come from the same per-architecture table as the import
-(:data:`fsdp2d.models.hf.TABLES`), read backwards: an HF tensor is the concatenation
+(:data:`fsdp2d.hf.weights.TABLES`), read backwards: an HF tensor is the concatenation
 along fsdp2d dim 0 of the fsdp2d tensors mapped to it (in block order), transposed where
 HF stores ``Conv1D`` weights. The architecture comes from ``extra["model"]`` of the
-checkpoint (:func:`fsdp2d.models.hf.model_spec`), from the ``"model"`` that
+checkpoint (:func:`fsdp2d.hf.weights.model_spec`), from the ``"model"`` that
 :func:`fsdp2d.checkpoint.save` records for an fsdp2d Llama or GPT2, or from ``spec=``.
 Streamed like :func:`fsdp2d.checkpoint.export`: the split into files is planned from the
 index, then each file is assembled, written and freed before the next. An earlier export
@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as st_save
 
-from ..models.hf import HFError, Rule, args_from_spec, hf_config, hf_rule
+from .weights import HFError, Rule, args_from_spec, hf_config, hf_rule
 from ..placement import Box
-from ._files import Folder
-from ._io import _fsync_write, read_box
-from ._replace import write_replacing
+from ..checkpoint._files import Folder
+from ..checkpoint._io import _fsync_write, read_box
+from ..checkpoint._replace import write_replacing
 
 __all__ = ["export_hf"]
 
@@ -84,9 +84,9 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, spec: dict | N
               max_shard_bytes: int = 5 * 2**30) -> list[Path]:
     """Write checkpoint ``ckpt`` (saved on any mesh) as a Hugging Face folder ``out``.
 
-    ``spec`` (``{"arch", "args"}``, see :func:`fsdp2d.models.hf.model_spec`) defaults to
+    ``spec`` (``{"arch", "args"}``, see :func:`fsdp2d.hf.weights.model_spec`) defaults to
     the checkpoint's ``extra["model"]``. Offline, one process. Returns the files written.
-    Raises :class:`~fsdp2d.models.hf.HFError` when the architecture is unknown or a
+    Raises :class:`~fsdp2d.hf.weights.HFError` when the architecture is unknown or a
     tensor has no HF name.
     """
     with Folder(ckpt) as folder:

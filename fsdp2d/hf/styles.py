@@ -27,9 +27,9 @@ from torch import nn
 
 from ..mesh import DeviceMesh
 from ..placement import Partial, Placement, Replicate, Shard
-from . import _functions as T
-from ._params import mark_partial_grads, shard_parameter
-from .style import ParallelStyle, RowwiseParallel, _one, redistribute
+from ..tensor_parallel import _functions as T
+from ..tensor_parallel._params import mark_partial_grads, shard_parameter
+from ..tensor_parallel.style import ParallelStyle, RowwiseParallel, _one, redistribute
 
 __all__ = ["ColwiseConv1D", "RowwiseConv1D", "DivideAttributes", "is_conv1d"]
 
