@@ -1,10 +1,12 @@
-"""Save on one mesh, load on another, export for Hugging Face-style tools.
+"""Save on one mesh, load on another, export the full weights.
 
     torchrun --nproc_per_node 4 examples/03_checkpoint_reshard.py [OUT_DIR]
 
 Trains 3 steps as 2 (dp) x 2 (tp), saves, loads the checkpoint into a 1 x 4 (pure TP)
 model, checks the full weights are bit-identical, continues training, and writes a
-plain safetensors export that loads into the unparallelized model.
+full export (one safetensors file, fsdp2d's names) that loads into the unparallelized
+model. For a folder ``transformers`` loads, see ``examples/05_hugging_face.py``
+(``python -m fsdp2d.checkpoint export --format hf``).
 """
 
 import dataclasses
@@ -63,7 +65,7 @@ def main() -> None:
     loss = train(model_b, opt_b, 0, 1, range(extra["step"], 5))
     if dist.get_rank() == 0:
         print(f"saved on 2x2, loaded on 1x4: weights bit-identical = {same}; step 4 loss {loss:.4f}")
-        files = checkpoint.export(path, f"{root}/hf")
+        files = checkpoint.export(path, f"{root}/full")  # fsdp2d's names, not HF's
         print(checkpoint.inspect(path).splitlines()[1])
         print(f"exported {files[0]}")
     dist.destroy_process_group()

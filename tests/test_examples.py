@@ -38,7 +38,7 @@ def test_fully_shard_2d_example_trains():
 def test_checkpoint_reshard_example(tmp_path):
     out = _torchrun("03_checkpoint_reshard.py", str(tmp_path))
     assert "weights bit-identical = True" in out, out
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert (tmp_path / "full" / "model.safetensors").is_file()
 
 
 @pytest.mark.dist
