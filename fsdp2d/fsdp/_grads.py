@@ -60,19 +60,34 @@ class GradReduction:
         after the reduce-scatter every rank knows how many ranks had one (a collective
         decision, so a parameter used on some ranks only still updates everywhere)."""
         n, k, dtype = len(self.params), self.k, self.reduce_dtype
+        # One _chunk_cat is one copy kernel on CUDA only when every input is contiguous and
+        # all share one dtype that is the output's, or bf16 into an fp32 output (it then
+        # widens on the way). Anything else (a stride-0 expanded view, a dtype it does not
+        # cast) takes its composite path: a zero-padded copy per input, then a cat (+2 ops
+        # per parameter). So the flags are a materialised (k, n) tensor, cached, in the
+        # gradients' dtype (0 and 1 are exact in any float dtype), and gradients go in
+        # uncast where _chunk_cat casts them itself: a cast first (bf16 gradients reduced
+        # in fp32, torchtitan's policy) reads 2 + writes 4 + reads 4 more bytes per element,
+        # 14 instead of 6 with the copy's write. Widening is exact: the same bits as .to().
+        present = {g.dtype for g in grads if g is not None}
+        src = present.pop() if len(present) == 1 else dtype
+        if src != dtype and (src, dtype) != (torch.bfloat16, torch.float32):
+            src = dtype  # a cast _chunk_cat's fast path does not do: cast each gradient first
         if self._every_trainable_had(grads):  # the usual case: a cached device tensor, no host-to-device copy
-            key = (dtype, self.compute_device, tuple(p.requires_grad for p in self.params))
+            key = (src, self.compute_device, tuple(p.requires_grad for p in self.params))
             if self._flags is None or self._flags[0] != key:  # 1 per trainable, 0 per frozen parameter
-                self._flags = (key, torch.tensor([float(r) for r in key[2]], dtype=dtype, device=self.compute_device))
+                row = torch.tensor([float(r) for r in key[2]], dtype=src, device=self.compute_device)
+                self._flags = (key, row.expand(k, n).contiguous())
             flags = self._flags[1]
         else:
-            flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=self.compute_device)
-        grads = [torch.zeros(p.unsharded_shape, dtype=dtype, device=self.compute_device) if g is None
-                 else g.to(dtype) for p, g in zip(self.params, grads)]  # .to: no-op when it matches
+            row = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=src, device=self.compute_device)
+            flags = row.expand(k, n).contiguous()
+        grads = [torch.zeros(p.unsharded_shape, dtype=src, device=self.compute_device) if g is None
+                 else g.to(src) for p, g in zip(self.params, grads)]  # .to: no-op when it matches
         buf = torch.empty((k, self.total + n), dtype=dtype, device=self.compute_device)
         # Each gradient chunked over the k ranks along dim 0 (torch.chunk sizes, zero-padded
         # to padded_rows), rank-major: one op, even or not, at any k.
-        torch._chunk_cat([*grads, flags.expand(k, n)], dim=0, num_chunks=k, out=buf)
+        torch._chunk_cat([*grads, flags], dim=0, num_chunks=k, out=buf)
         return buf
 
     def _every_trainable_had(self, grads: list[torch.Tensor | None]) -> bool:
