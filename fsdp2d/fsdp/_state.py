@@ -146,12 +146,9 @@ class FSDPState:
             ctx.order.append(self)
         if self.group is not None:  # idempotent for the later modules of a list
             self.group.sync_params()
-            self.group.unshard()
-            self.group.register_unsharded()
+            self.group.unshard(async_op=True)
         prefetch = self.forward_prefetch if self.forward_prefetch is not None else ctx.neighbour(self, 1)
-        for s in prefetch if first else ():
-            if s.group is not None:
-                s.group.unshard(async_op=True)
+        _issue_then_copy_out(self.group, prefetch if first else ())
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
         group = self.group
@@ -217,12 +214,24 @@ class FSDPState:
         self.in_backward = True
         self.ctx.queue_final_callback()
         if self.group is not None:
-            self.group.unshard()
-            self.group.register_unsharded()
+            self.group.unshard(async_op=True)
         prefetch = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.neighbour(self, -1)
-        for s in prefetch:
-            if s.group is not None and not s.in_backward:
-                s.group.unshard(async_op=True)
+        _issue_then_copy_out(self.group, [s for s in prefetch if not s.in_backward])
+
+
+def _issue_then_copy_out(group: FSDPParamGroup | None, prefetch: Any) -> None:
+    """Issue the prefetches' all-gathers, then wait for ``group``'s own (issued by the
+    caller) and copy it out. In this order on purpose: on CUDA an NCCL collective's
+    stream first waits for the work queued so far on the compute stream, and the
+    copy-out is queued behind this group's gather, so a prefetch issued after it could
+    not start before this group's gather had finished (and on gloo it would reach the
+    transport one copy-out later): the next gather would not overlap this one."""
+    for s in prefetch:
+        if s.group is not None:
+            s.group.unshard(async_op=True)
+    if group is not None:
+        group.wait_unshard()  # the copy-out
+        group.register_unsharded()
 
 
 def _in_backward() -> bool:

@@ -86,3 +86,72 @@ def test_packing_takes_chunk_cats_fast_path(pool):
             assert all(_fast_path(c) for c in calls), (param_dtype, reduce_dtype, calls)
             assert sum(o.pop("aten.zeros", 0) for o in ops) == int(freeze), ops
             assert all(o == {"aten.empty": 1, "aten._chunk_cat": 1} for o in ops), (param_dtype, reduce_dtype, ops)
+
+
+def _labelled_model(mesh, n_layers: int):
+    """A Llama with ``fully_shard`` per block and root on ``mesh``, and each group's name
+    by id ("root", "layers.0", ...)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs(**{**vars(LlamaArgs.debug()), "n_layers": n_layers}))
+    for block in model.layers:
+        fsdp2d.fully_shard(block, mesh=mesh)
+    fsdp2d.fully_shard(model, mesh=mesh)
+    label = {id(m._fsdp2d_fsdp.group): name or "root" for name, m in model.named_modules()
+             if getattr(m, "_fsdp2d_fsdp", None) is not None}
+    return model, label
+
+
+def job_gather_order(n_layers: int):
+    """(forward events, backward events) of the second step: ("issue", group) when an
+    all-gather is issued, ("copy_out", group) when a gathered buffer is copied out."""
+    from fsdp2d.fsdp._group import FSDPParamGroup
+
+    model, label = _labelled_model(get_mesh((4,), ("dp",)), n_layers)
+    events: list[tuple[str, str]] = []
+    unshard, wait = FSDPParamGroup.unshard, FSDPParamGroup.wait_unshard
+
+    def unshard_logged(self, async_op=False):
+        before = self.counts["all_gather"]
+        unshard(self, async_op)
+        if self.counts["all_gather"] > before:
+            events.append(("issue", label[id(self)]))
+
+    def wait_logged(self):
+        if self._gather is not None:
+            events.append(("copy_out", label[id(self)]))
+        wait(self)
+
+    x = torch.randint(0, 256, (2, 16))
+    FSDPParamGroup.unshard, FSDPParamGroup.wait_unshard = unshard_logged, wait_logged
+    try:
+        for _ in range(2):  # the first forward records the order; the second prefetches
+            events.clear()
+            loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+            forward = list(events)
+            events.clear()
+            loss.backward()
+    finally:
+        FSDPParamGroup.unshard, FSDPParamGroup.wait_unshard = unshard, wait
+    return forward, list(events)
+
+
+def test_next_all_gather_is_issued_before_the_copy_out(pool):
+    """Forward: each group's copy-out comes after the next group's all-gather was issued
+    (on CUDA the copy-out would otherwise sit in front of the next gather on the stream
+    NCCL waits for). Backward (blocks resharded after forward, the root kept): the same,
+    from the last block to the first."""
+    forward, backward = pool.run(job_gather_order, 3)[0]
+    blocks = [f"layers.{i}" for i in range(3)]
+    expected_fwd = [("issue", "root"), ("issue", blocks[0]), ("copy_out", "root")]
+    for here, nxt in zip(blocks, blocks[1:]):
+        expected_fwd += [("issue", nxt), ("copy_out", here)]
+    expected_fwd.append(("copy_out", blocks[-1]))
+    assert forward == expected_fwd
+    last, *rest = blocks[::-1]
+    expected_bwd = [("issue", last)]
+    for here, nxt in zip(blocks[::-1], rest):
+        expected_bwd += [("issue", nxt), ("copy_out", here)]
+    expected_bwd.append(("copy_out", blocks[0]))
+    assert backward == expected_bwd
+
