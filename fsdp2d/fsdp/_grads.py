@@ -45,12 +45,13 @@ class GradReduction:
         buf = self._pack_grads(grads)
         all_had = self._every_trainable_had(grads)
         self.counts["reduce_scatter"] += 1
+        # (work, out, all_had, whether out holds the sum over the replicate axis once work is done)
         if self.k == 1:
-            self._reduce = (None, buf.view(-1), all_had)
+            self._reduce = (None, buf.view(-1), all_had, self.replicate_group is None)
         else:
             out = buf.new_empty(self.total + len(self.params))
             work = C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True)
-            self._reduce = (work, out, all_had)
+            self._reduce = (work, out, all_had, self.replicate_group is None)
         self.needs_reduce = False
 
     def _pack_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
@@ -95,18 +96,40 @@ class GradReduction:
         parameters never have one, on any rank: no flags need reading for them)."""
         return all(g is not None for p, g in zip(self.params, grads) if p.requires_grad)
 
+    def advance_reduce(self) -> bool:
+        """Move this group's reduction one stage on: with a replicate axis (HSDP) whose
+        all-reduce has not started, wait for the reduce-scatter and start the all-reduce
+        asynchronously (True: still in flight; see ``_Context.post_backward``); otherwise
+        finish it (False)."""
+        if self._reduce is not None and not self._reduce[3]:
+            self._start_all_reduce()
+            return True
+        self.finish_reduce()
+        return False
+
+    def _start_all_reduce(self) -> None:
+        # Asynchronous, as torch FSDP2 runs it on its own stream: a synchronous all-reduce
+        # here would hold the compute stream (NCCL) or the host (gloo) for its whole time
+        # right when the next group's backward could run; waited for in finish_reduce.
+        work, out, all_had, _ = self._reduce
+        if work is not None:
+            work.wait()
+        self._reduce = (C.all_reduce_start(out, self.replicate_group), out, all_had, True)
+
     def finish_reduce(self, assign: bool = True) -> None:
-        """Wait for the reduce-scatter and accumulate into the sharded ``.grad``s of the
-        parameters that had a gradient (``assign=False``: wait and discard)."""
+        """Wait for the reduce-scatter (and the replicate all-reduce) and accumulate into
+        the sharded ``.grad``s of the parameters that had a gradient (``assign=False``:
+        wait and discard)."""
         if self._reduce is None:
             return
-        work, out, all_had = self._reduce
+        if assign and not self._reduce[3]:
+            self._start_all_reduce()
+        work, out, all_had, _ = self._reduce
         self._reduce = None
         if work is not None:
             work.wait()
         if not assign:
             return
-        out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
         out = out.div_(self.divide_factor)  # the flag columns stay positive where some rank had one
         # CPU offload: the sharded gradients go to the host. A new one is copied without
         # blocking, so nothing here reads it: an event recorded after the copies is waited

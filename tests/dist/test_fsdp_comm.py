@@ -155,3 +155,47 @@ def test_next_all_gather_is_issued_before_the_copy_out(pool):
     expected_bwd.append(("copy_out", blocks[0]))
     assert backward == expected_bwd
 
+
+def job_hsdp_reduce_order(mesh_shape: tuple[int, int]):
+    """The backward's reduction events: ("rs", group) a reduce-scatter issued, ("ar", group)
+    the replicate all-reduce started, ("finish", group) its result waited for and assigned."""
+    model, label = _labelled_model(get_mesh(mesh_shape, ("replicate", "shard")), LlamaArgs.debug().n_layers)
+    events: list[tuple[str, str]] = []
+    reduce, start, finish = GradReduction.reduce_grads, GradReduction._start_all_reduce, GradReduction.finish_reduce
+
+    def reduce_logged(self):
+        reduce(self)
+        if self._reduce is not None:
+            events.append(("rs", label[id(self)]))
+
+    def start_logged(self):
+        events.append(("ar", label[id(self)]))
+        start(self)
+
+    def finish_logged(self, assign=True):
+        if self._reduce is not None:
+            events.append(("finish", label[id(self)]))
+        finish(self, assign)
+
+    x = torch.randint(0, 256, (2, 16))
+    GradReduction.reduce_grads, GradReduction._start_all_reduce = reduce_logged, start_logged
+    GradReduction.finish_reduce = finish_logged
+    try:
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    finally:
+        GradReduction.reduce_grads, GradReduction._start_all_reduce = reduce, start
+        GradReduction.finish_reduce = finish
+    return events
+
+
+def test_hsdp_all_reduce_is_waited_for_one_group_later(pool):
+    """HSDP: a group's replicate all-reduce starts once its reduce-scatter is done (at the
+    next group's post-backward) and is waited for one group later still, so the next
+    group's backward runs while it is in flight; the end of backward starts every pending
+    one before waiting for any. (Replicate axis of 2 ranks: the pairwise exchange; of 4
+    ranks with a shard axis of 1: gloo's asynchronous all-reduce.)"""
+    expected = [("rs", "layers.1"), ("ar", "layers.1"), ("rs", "layers.0"),
+                ("finish", "layers.1"), ("ar", "layers.0"), ("rs", "root"),
+                ("finish", "layers.0"), ("ar", "root"), ("finish", "root")]
+    for shape in ((2, 2), (4, 1)):
+        assert pool.run(job_hsdp_reduce_order, shape)[0] == expected, shape
