@@ -178,8 +178,10 @@ def _new_axis_groups(mesh: torch.Tensor, axis: int, high_priority: bool = False)
     for line in lines.tolist():
         if len(line) == dist.get_world_size() and not high_priority:
             group = dist.group.WORLD  # the whole world in rank order: reuse it
-        elif high_priority:  # fresh options per group: new_group writes the timeout into them
+        elif high_priority:  # fresh options per group: new_group writes into them
             options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+            if timeout is not None:  # new_group warns when the options' timeout differs from its own
+                options._timeout = timeout
             group = dist.new_group(line, timeout=timeout, pg_options=options)
         else:
             group = dist.new_group(line, timeout=timeout)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +23,8 @@ def world(monkeypatch):
     calls: list[tuple[list[int], object]] = []
 
     def new_group(ranks, timeout=None, pg_options=None):
+        assert timeout == timedelta(seconds=77)  # the default group's
+        assert pg_options is None or pg_options._timeout == timeout  # (new_group warns otherwise)
         calls.append((ranks, pg_options))
         return f"group{len(calls)}"
 
@@ -30,7 +34,7 @@ def world(monkeypatch):
         monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
         monkeypatch.setattr(dist, "new_group", new_group)
         monkeypatch.setattr(dist, "ProcessGroupNCCL", type("PG", (), {"Options": _Options}), raising=False)
-        monkeypatch.setattr(M, "group_timeout", lambda group=None: None)
+        monkeypatch.setattr(M, "group_timeout", lambda group=None: timedelta(seconds=77))
         monkeypatch.setattr(type(dist.group), "WORLD", property(lambda cls: "world"))
         return calls
 
