@@ -262,8 +262,8 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| config | side | layers | GPU ms/step | host ms/step | GPU ms/layer | peak GiB | kernels gemm/nccl/elem/copy/other"
-             " | dispatched ops gemm/nccl/elem/copy/other | host reads | sync check |",
+    lines = ["| config | side | layers | GPU ms/step | host ms/step | GPU ms/layer | peak GiB"
+             " | kernels gemm/nccl/elem/copy/other | dispatched ops gemm/nccl/elem/copy/other | host reads | sync check |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_side(side, config, argparse.Namespace(**{**vars(a), "layers": layers}), device))
             except Exception as e:  # noqa: BLE001 - one side failing (e.g. out of memory) still reports the other
                 rows.append({"config": config, "side": side, "error": f"{type(e).__name__}: {e}"[:2000]})
-    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    meta = {"torch": torch.__version__, "device": name,
             "load": os.getloadavg(), "shims": shims}
     print(json.dumps(meta))
     print(table(rows))

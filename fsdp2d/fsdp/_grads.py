@@ -67,9 +67,9 @@ class GradReduction:
         # cast) takes its composite path: a zero-padded copy per input, then a cat (+2 ops
         # per parameter). So the flags are a materialised (k, n) tensor, cached, in the
         # gradients' dtype (0 and 1 are exact in any float dtype), and gradients go in
-        # uncast where _chunk_cat casts them itself: a cast first (bf16 gradients reduced
-        # in fp32, torchtitan's policy) reads 2 + writes 4 + reads 4 more bytes per element,
-        # 14 instead of 6 with the copy's write. Widening is exact: the same bits as .to().
+        # uncast where _chunk_cat casts them itself: for bf16 gradients reduced in fp32
+        # (torchtitan's policy) a cast first moves 2 + 4 bytes per element and the copy
+        # 4 + 4 more, 14 where the casting copy moves 6. Widening is exact: .to()'s bits.
         present = {g.dtype for g in grads if g is not None}
         src = present.pop() if len(present) == 1 else dtype
         if src != dtype and (src, dtype) != (torch.bfloat16, torch.float32):

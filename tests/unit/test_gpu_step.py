@@ -24,7 +24,8 @@ def _module():
 def test_cpu_smoke_mode_runs_both_stacks_on_both_jobs(tmp_path):
     out = tmp_path / "smoke.json"
     root = str(SCRIPT.parents[1])  # this checkout's fsdp2d, whatever is installed
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--steps", "1", "--warmup", "0",
                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
