@@ -9,7 +9,8 @@ compute with fp32 reduction (``MixedPrecisionPolicy``, torchtitan's setting), fu
 
 * ``8b-fsdp8``: Llama-3 8B, ``fully_shard`` per block and root over dp = 8;
 * ``70b-fsdp32-tp8``: Llama-3 70B, TP = 8 (torch's / fsdp2d's Llama plan) x FSDP over
-  dp = 32 (``--layers`` cuts depth to fit one GPU; per-layer figures are reported).
+  dp = 32, at 4 and 8 layers to fit one GPU (``--layers``); the difference gives the
+  per-layer figures (one more block, without the embedding and output's share).
 
 Per stack and configuration: GPU time per step (CUDA events), host time per step (the
 Python thread, no synchronisation), peak memory (``torch.cuda.max_memory_allocated``),
@@ -20,7 +21,7 @@ dispatch instead), dispatched ops by kind, and the no-sync check: one step under
 (``aten._local_scalar_dense``, ``nonzero``) at dispatch.
 
     python benchmarks/gpu_step.py                                   # both configs on cuda:0
-    python benchmarks/gpu_step.py --config 70b-fsdp32-tp8 --layers 4 --json out.json
+    python benchmarks/gpu_step.py --config 70b-fsdp32-tp8 --layers 2,6 --json out.json
     python benchmarks/gpu_step.py --device cpu --tiny               # CPU smoke test (CI)
 
 ``--tiny`` keeps the meshes and shrinks the model (the smoke test runs the same code
@@ -261,20 +262,43 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def per_layer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each config and side measured at two depths: (deeper - shallower) / extra
+    layers, for every figure (the cost of one more block, without the embedding and
+    output layer's share)."""
+    out = []
+    for (config, side) in dict.fromkeys((r["config"], r["side"]) for r in rows):
+        ok = sorted((r for r in rows if (r["config"], r["side"]) == (config, side) and "error" not in r),
+                    key=lambda r: r["layers"])
+        if len(ok) < 2 or ok[0]["layers"] == ok[-1]["layers"]:
+            continue
+        lo, hi = ok[0], ok[-1]
+        n = hi["layers"] - lo["layers"]
+
+        def d(key: str) -> float | None:
+            return None if lo[key] is None else (hi[key] - lo[key]) / n
+
+        out.append({**hi, "layers": f"per layer ({lo['layers']}->{hi['layers']})", "gpu_ms": d("gpu_ms"),
+                    "host_ms": d("host_ms"), "peak_gib": d("peak_gib"),
+                    "kernels": {k: {m: (hi["kernels"][k][m] - lo["kernels"][k][m]) / n for m in ("count", "us")}
+                                for k in KINDS},
+                    "ops": {k: (hi["ops"][k] - lo["ops"][k]) / n for k in KINDS}})
+    return out
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| config | side | layers | GPU ms/step | host ms/step | GPU ms/layer | peak GiB"
-             " | kernels gemm/nccl/elem/copy/other | dispatched ops gemm/nccl/elem/copy/other | host reads | sync check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | side | layers | GPU ms/step | host ms/step | peak GiB | kernels gemm/nccl/elem/copy/other"
+             " | dispatched ops gemm/nccl/elem/copy/other | host reads | sync check |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | {r['side']} | - | error: {r['error'][:120]} |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['config']} | {r['side']} | - | error: {r['error'][:120]} |  |  |  |  |  |  |")
             continue
-        per_layer = r["gpu_ms"] / r["layers"] if r["gpu_ms"] is not None else None
-        kern = "/".join(str(r["kernels"][k]["count"]) for k in KINDS)
-        ops = "/".join(str(r.get("ops", {}).get(k, "-")) for k in KINDS)
+        kern = "/".join(_fmt(r["kernels"][k]["count"], "g") for k in KINDS)
+        ops = "/".join(_fmt(r.get("ops", {}).get(k), "g") for k in KINDS)
         sync = "ok" if r["sync_error"] is None else f"SYNC: {r['sync_error'][:80]}"
-        lines.append(f"| {r['config']} | {r['side']} | {r['layers']} | {_fmt(r['gpu_ms'])} | {_fmt(r['host_ms'])} | "
-                     f"{_fmt(per_layer, '.2f')} | {_fmt(r['peak_gib'], '.2f')} | {kern} | {ops} | "
+        lines.append(f"| {r['config']} | {r['side']} | {r['layers']} | {_fmt(r['gpu_ms'], '.2f')} | "
+                     f"{_fmt(r['host_ms'], '.2f')} | {_fmt(r['peak_gib'], '.2f')} | {kern} | {ops} | "
                      f"{r['host_reads']} | {sync} |")
     return "\n".join(lines)
 
@@ -284,7 +308,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--config", action="append", choices=sorted(CONFIGS), help="default: both")
     p.add_argument("--side", action="append", choices=("fsdp2d", "torch"), help="default: both")
-    p.add_argument("--layers", type=int, default=None, help="cut depth (default: 8B all 32, 70B 4; tiny 2)")
+    p.add_argument("--layers", default=None,
+                   help="depth, or two depths A,B for per-layer figures (default: 8B all 32, 70B 4,8; tiny 2 and 1,2)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny 32)")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 10; tiny 2)")
@@ -309,12 +334,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     rows = []
     for config in a.config or list(CONFIGS):
-        layers = a.layers or (2 if a.tiny else 4 if config == "70b-fsdp32-tp8" else None)
-        for side in a.side or ("fsdp2d", "torch"):
-            try:
-                rows.append(run_side(side, config, argparse.Namespace(**{**vars(a), "layers": layers}), device))
-            except Exception as e:  # noqa: BLE001 - one side failing (e.g. out of memory) still reports the other
-                rows.append({"config": config, "side": side, "error": f"{type(e).__name__}: {e}"[:2000]})
+        default = "1,2" if a.tiny and config == "70b-fsdp32-tp8" else "2" if a.tiny else \
+            "4,8" if config == "70b-fsdp32-tp8" else "0"
+        for layers in (int(n) or None for n in (a.layers or default).split(",")):
+            for side in a.side or ("fsdp2d", "torch"):
+                try:
+                    rows.append(run_side(side, config, argparse.Namespace(**{**vars(a), "layers": layers}), device))
+                except Exception as e:  # noqa: BLE001 - one side failing (e.g. out of memory) still reports the other
+                    rows.append({"config": config, "side": side, "error": f"{type(e).__name__}: {e}"[:2000]})
+    rows += per_layer(rows)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     meta = {"torch": torch.__version__, "device": name,
             "load": os.getloadavg(), "shims": shims}

@@ -30,15 +30,22 @@ def test_cpu_smoke_mode_runs_both_stacks_on_both_jobs(tmp_path):
                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["config"], r["side"]) for r in rows] == [
-        ("8b-fsdp8", "fsdp2d"), ("8b-fsdp8", "torch"), ("70b-fsdp32-tp8", "fsdp2d"), ("70b-fsdp32-tp8", "torch")]
+    per_layer = "per layer (1->2)"
+    assert [(r["config"], r["side"], r["layers"]) for r in rows] == [
+        ("8b-fsdp8", "fsdp2d", 2), ("8b-fsdp8", "torch", 2),
+        ("70b-fsdp32-tp8", "fsdp2d", 1), ("70b-fsdp32-tp8", "torch", 1),
+        ("70b-fsdp32-tp8", "fsdp2d", 2), ("70b-fsdp32-tp8", "torch", 2),
+        ("70b-fsdp32-tp8", "fsdp2d", per_layer), ("70b-fsdp32-tp8", "torch", per_layer)]
     for r in rows:
         assert r["sync_error"] is None and r["host_reads"] == 0, r
         assert r["ops"]["gemm"] > 0 and r["ops"]["nccl"] > 0, r  # the step ran, collectives issued
     fsdp8 = rows[0]
     # 2 blocks + root: forward 3 all-gathers, backward 2 (root kept), 3 reduce-scatters
     assert fsdp8["ops"]["nccl"] == 8, fsdp8["ops"]
-    assert "| 70b-fsdp32-tp8 | torch |" in run.stdout
+    # one more block: its all-gather in forward and in backward, its reduce-scatter, and
+    # TP's all-reduces (attention and MLP outputs in forward, their inputs in backward)
+    assert rows[6]["ops"]["nccl"] == 3 + 4, rows[6]["ops"]
+    assert f"| 70b-fsdp32-tp8 | torch | {per_layer} |" in run.stdout
 
 
 def test_kernel_kinds():
