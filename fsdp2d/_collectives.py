@@ -335,6 +335,21 @@ def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
     return x
 
 
+
+def all_reduce_start(x: torch.Tensor, group: Group) -> Any:
+    """Start an in-place sum of contiguous ``x`` over the group and return a handle whose
+    ``wait()`` completes it (on NCCL the wait makes the current stream wait, the host does
+    not), or None when the sum is already in ``x``: one rank, and the transports that run
+    at once (the two-rank pairwise exchange, ``CommDebugMode``'s functional collective)."""
+    if group_size(group) == 1:
+        return None
+    if _funcol.watched() or (group_size(group) == 2 and _exchange_peers(group, x) is not None):
+        y = all_reduce(x, group)
+        if y is not x:
+            x.copy_(y)
+        return None
+    return dist.all_reduce(x, group=group, async_op=True)
+
 def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """This rank's ``torch.chunk`` piece of ``x`` along ``dim`` (no communication)."""
     k = group_size(group)

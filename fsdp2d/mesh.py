@@ -155,18 +155,34 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
     return None
 
 
-def _new_axis_groups(mesh: torch.Tensor, axis: int) -> dist.ProcessGroup:
+def _high_priority(device_type: str, name: str | None) -> bool:
+    """Whether the groups of axis ``name`` get high-priority NCCL streams: the
+    data-parallel axes (every axis but ``tp``, the trainer's convention) on NCCL. Their
+    collectives (FSDP's all-gathers and reduce-scatters, HSDP's all-reduce) run beside
+    compute and are waited for by it, so the GPU should schedule their kernels first,
+    as torch FSDP2 does. gloo (and the fake backend) have no streams: unchanged."""
+    return device_type == "cuda" and name != "tp" and "nccl" in str(dist.get_backend())
+
+
+def _new_axis_groups(mesh: torch.Tensor, axis: int, high_priority: bool = False) -> dist.ProcessGroup:
     """Create a group for every line along ``axis`` (all ranks call this in the same
     order, as c10d requires) and return the one containing this rank. Each inherits
     the default group's timeout: ``new_group`` would otherwise use torch's default (30
-    minutes on gloo), and a stopped peer would hang a sub-group collective that long."""
+    minutes on gloo), and a stopped peer would hang a sub-group collective that long.
+    ``high_priority``: NCCL groups with high-priority streams (then a line of the whole
+    world is a group of its own too: the default group's streams are not)."""
     rank = dist.get_rank()
     lines = mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis])
     timeout = group_timeout()
     mine = None
     for line in lines.tolist():
-        if len(line) == dist.get_world_size():
+        if len(line) == dist.get_world_size() and not high_priority:
             group = dist.group.WORLD  # the whole world in rank order: reuse it
+        elif high_priority:  # fresh options per group: new_group writes into them
+            options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+            if timeout is not None:  # new_group warns when the options' timeout differs from its own
+                options._timeout = timeout
+            group = dist.new_group(line, timeout=timeout, pg_options=options)
         else:
             group = dist.new_group(line, timeout=timeout)
         if rank in line:
@@ -181,7 +197,8 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     (``mesh_dim_names``; optional, as in torch, but combining TP and FSDP needs names).
 
     Initialises the default process group if needed (gloo on CPU, NCCL on CUDA) from the
-    torchrun environment; a mesh of one rank also works with no launcher at all.
+    torchrun environment; a mesh of one rank also works with no launcher at all. On NCCL
+    every axis but ``tp`` (the data-parallel ones) gets high-priority streams.
 
     Example::
 
@@ -212,6 +229,7 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
             f"does not match the world size {world}; pick sizes whose product is {world}"
         )
     grid = torch.arange(world, dtype=torch.int).reshape(mesh_shape)
-    groups = [_new_axis_groups(grid, axis) for axis in range(len(mesh_shape))]
+    groups = [_new_axis_groups(grid, axis, _high_priority(device_type, names[axis] if names else None))
+              for axis in range(len(mesh_shape))]
     return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], device_type, mesh=grid,
                                  mesh_dim_names=names)

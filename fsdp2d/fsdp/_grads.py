@@ -45,12 +45,13 @@ class GradReduction:
         buf = self._pack_grads(grads)
         all_had = self._every_trainable_had(grads)
         self.counts["reduce_scatter"] += 1
+        # (work, out, all_had, whether out holds the sum over the replicate axis once work is done)
         if self.k == 1:
-            self._reduce = (None, buf.view(-1), all_had)
+            self._reduce = (None, buf.view(-1), all_had, self.replicate_group is None)
         else:
             out = buf.new_empty(self.total + len(self.params))
             work = C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True)
-            self._reduce = (work, out, all_had)
+            self._reduce = (work, out, all_had, self.replicate_group is None)
         self.needs_reduce = False
 
     def _pack_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
@@ -60,19 +61,34 @@ class GradReduction:
         after the reduce-scatter every rank knows how many ranks had one (a collective
         decision, so a parameter used on some ranks only still updates everywhere)."""
         n, k, dtype = len(self.params), self.k, self.reduce_dtype
+        # One _chunk_cat is one copy kernel on CUDA only when every input is contiguous and
+        # all share one dtype that is the output's, or bf16 into an fp32 output (it then
+        # widens on the way). Anything else (a stride-0 expanded view, a dtype it does not
+        # cast) takes its composite path: a zero-padded copy per input, then a cat (+2 ops
+        # per parameter). So the flags are a materialised (k, n) tensor, cached, in the
+        # gradients' dtype (0 and 1 are exact in any float dtype), and gradients go in
+        # uncast where _chunk_cat casts them itself: for bf16 gradients reduced in fp32
+        # (torchtitan's policy) a cast first moves 2 + 4 bytes per element and the copy
+        # 4 + 4 more, 14 where the casting copy moves 6. Widening is exact: .to()'s bits.
+        present = {g.dtype for g in grads if g is not None}
+        src = present.pop() if len(present) == 1 else dtype
+        if src != dtype and (src, dtype) != (torch.bfloat16, torch.float32):
+            src = dtype  # a cast _chunk_cat's fast path does not do: cast each gradient first
         if self._every_trainable_had(grads):  # the usual case: a cached device tensor, no host-to-device copy
-            key = (dtype, self.compute_device, tuple(p.requires_grad for p in self.params))
+            key = (src, self.compute_device, tuple(p.requires_grad for p in self.params))
             if self._flags is None or self._flags[0] != key:  # 1 per trainable, 0 per frozen parameter
-                self._flags = (key, torch.tensor([float(r) for r in key[2]], dtype=dtype, device=self.compute_device))
+                row = torch.tensor([float(r) for r in key[2]], dtype=src, device=self.compute_device)
+                self._flags = (key, row.expand(k, n).contiguous())
             flags = self._flags[1]
         else:
-            flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=dtype, device=self.compute_device)
-        grads = [torch.zeros(p.unsharded_shape, dtype=dtype, device=self.compute_device) if g is None
-                 else g.to(dtype) for p, g in zip(self.params, grads)]  # .to: no-op when it matches
+            row = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=src, device=self.compute_device)
+            flags = row.expand(k, n).contiguous()
+        grads = [torch.zeros(p.unsharded_shape, dtype=src, device=self.compute_device) if g is None
+                 else g.to(src) for p, g in zip(self.params, grads)]  # .to: no-op when it matches
         buf = torch.empty((k, self.total + n), dtype=dtype, device=self.compute_device)
         # Each gradient chunked over the k ranks along dim 0 (torch.chunk sizes, zero-padded
         # to padded_rows), rank-major: one op, even or not, at any k.
-        torch._chunk_cat([*grads, flags.expand(k, n)], dim=0, num_chunks=k, out=buf)
+        torch._chunk_cat([*grads, flags], dim=0, num_chunks=k, out=buf)
         return buf
 
     def _every_trainable_had(self, grads: list[torch.Tensor | None]) -> bool:
@@ -80,18 +96,40 @@ class GradReduction:
         parameters never have one, on any rank: no flags need reading for them)."""
         return all(g is not None for p, g in zip(self.params, grads) if p.requires_grad)
 
+    def advance_reduce(self) -> bool:
+        """Move this group's reduction one stage on: with a replicate axis (HSDP) whose
+        all-reduce has not started, wait for the reduce-scatter and start the all-reduce
+        asynchronously (True: still in flight; see ``_Context.post_backward``); otherwise
+        finish it (False)."""
+        if self._reduce is not None and not self._reduce[3]:
+            self._start_all_reduce()
+            return True
+        self.finish_reduce()
+        return False
+
+    def _start_all_reduce(self) -> None:
+        # Asynchronous, as torch FSDP2 runs it on its own stream: a synchronous all-reduce
+        # here would hold the compute stream (NCCL) or the host (gloo) for its whole time
+        # right when the next group's backward could run; waited for in finish_reduce.
+        work, out, all_had, _ = self._reduce
+        if work is not None:
+            work.wait()
+        self._reduce = (C.all_reduce_start(out, self.replicate_group), out, all_had, True)
+
     def finish_reduce(self, assign: bool = True) -> None:
-        """Wait for the reduce-scatter and accumulate into the sharded ``.grad``s of the
-        parameters that had a gradient (``assign=False``: wait and discard)."""
+        """Wait for the reduce-scatter (and the replicate all-reduce) and accumulate into
+        the sharded ``.grad``s of the parameters that had a gradient (``assign=False``:
+        wait and discard)."""
         if self._reduce is None:
             return
-        work, out, all_had = self._reduce
+        if assign and not self._reduce[3]:
+            self._start_all_reduce()
+        work, out, all_had, _ = self._reduce
         self._reduce = None
         if work is not None:
             work.wait()
         if not assign:
             return
-        out = C.all_reduce(out, self.replicate_group) if self.replicate_group is not None else out
         out = out.div_(self.divide_factor)  # the flag columns stay positive where some rank had one
         # CPU offload: the sharded gradients go to the host. A new one is copied without
         # blocking, so nothing here reads it: an event recorded after the copies is waited

@@ -38,7 +38,7 @@ class _Context:
         self.order: list[FSDPState] = []
         self.recording = True
         self.callback_queued = False
-        self.in_flight: FSDPParamGroup | None = None
+        self.in_flight: list[FSDPParamGroup] = []  # reductions started, not finished (post_backward)
 
     def neighbour(self, state: "FSDPState", step: int) -> list["FSDPState"]:
         if self.recording or state not in self.order:
@@ -48,10 +48,12 @@ class _Context:
 
     def post_backward(self, group: FSDPParamGroup) -> None:
         if group.requires_sync and group.needs_reduce:
-            if self.in_flight is not None and self.in_flight is not group:
-                self.in_flight.finish_reduce()  # keep one reduce-scatter in flight
+            # Every earlier reduction moves one stage on (FSDPParamGroup.advance_reduce): one
+            # reduce-scatter stays in flight and, with HSDP, the previous group's replicate
+            # all-reduce too, which then overlaps this group's backward.
+            self.in_flight = [g for g in self.in_flight if g is not group and g.advance_reduce()]
             group.reduce_grads()
-            self.in_flight = group
+            self.in_flight.append(group)
         elif not group.requires_sync:
             group.accumulate_unsynced()
         if group.reshard_after_backward:
@@ -72,7 +74,7 @@ class _Context:
                 g.needs_reduce, g.grads_ready, g.inputs_done = False, 0, 0
                 g.reshard()
             s.in_backward = False
-        self.in_flight = None
+        self.in_flight = []
         self.callback_queued = False
 
     def queue_final_callback(self) -> None:
@@ -85,6 +87,8 @@ class _Context:
         for g in groups:
             if g.needs_reduce:  # groups whose every gradient did not arrive (unused params)
                 self.post_backward(g)
+        for g in groups:  # HSDP: every pending all-reduce is started before any is waited for
+            g.advance_reduce()
         for g in groups:
             g.finish_reduce()
             # A gather still in flight here is one no hook of this backward waited for (a
@@ -98,7 +102,7 @@ class _Context:
             g.wait_offload()
         for s in self.states:
             s.in_backward = False
-        self.in_flight = None
+        self.in_flight = []
         self.callback_queued = False
 
 
@@ -146,12 +150,9 @@ class FSDPState:
             ctx.order.append(self)
         if self.group is not None:  # idempotent for the later modules of a list
             self.group.sync_params()
-            self.group.unshard()
-            self.group.register_unsharded()
+            self.group.unshard(async_op=True)
         prefetch = self.forward_prefetch if self.forward_prefetch is not None else ctx.neighbour(self, 1)
-        for s in prefetch if first else ():
-            if s.group is not None:
-                s.group.unshard(async_op=True)
+        _issue_then_copy_out(self.group, prefetch if first else ())
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
         group = self.group
@@ -217,12 +218,24 @@ class FSDPState:
         self.in_backward = True
         self.ctx.queue_final_callback()
         if self.group is not None:
-            self.group.unshard()
-            self.group.register_unsharded()
+            self.group.unshard(async_op=True)
         prefetch = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.neighbour(self, -1)
-        for s in prefetch:
-            if s.group is not None and not s.in_backward:
-                s.group.unshard(async_op=True)
+        _issue_then_copy_out(self.group, [s for s in prefetch if not s.in_backward])
+
+
+def _issue_then_copy_out(group: FSDPParamGroup | None, prefetch: Any) -> None:
+    """Issue the prefetches' all-gathers, then wait for ``group``'s own (issued by the
+    caller) and copy it out. In this order on purpose: on CUDA an NCCL collective's
+    stream first waits for the work queued so far on the compute stream, and the
+    copy-out is queued behind this group's gather, so a prefetch issued after it could
+    not start before this group's gather had finished (and on gloo it would reach the
+    transport one copy-out later): the next gather would not overlap this one."""
+    for s in prefetch:
+        if s.group is not None:
+            s.group.unshard(async_op=True)
+    if group is not None:
+        group.wait_unshard()  # the copy-out
+        group.register_unsharded()
 
 
 def _in_backward() -> bool:
