@@ -2,7 +2,8 @@
 accumulating without sync, packing the unsharded gradients for one reduce-scatter,
 and handing each sharded parameter its reduced gradient (and, with CPU offload, the
 event an optimizer must wait for). State it reads is the group's: ``params``, ``k``,
-``total``, ``reduce_dtype``, ``grad_dtype``, ``compute_device``, the groups, ``_reduce``,
+``total``, ``param_dtype``, ``reduce_dtype``, ``grad_dtype``, ``accumulate_in_compute_dtype``,
+``compute_device``, the groups, ``_reduce``,
 ``_flags``, ``flat_param``, ``divide_factor``, ``offload_event``."""
 
 from __future__ import annotations
@@ -20,15 +21,26 @@ from ._param import FSDPParam
 class GradReduction:
     def accumulate_unsynced(self) -> None:
         """Without gradient sync, move this backward's unsharded gradients into
-        accumulators in ``reduce_dtype`` (bf16 gradients summed over many microbatches in
-        bf16 would lose precision); the synced backward adds them back before reducing.
-        ``unsharded.grad`` then only ever holds the current backward's gradient, which is
-        what an aborted backward's recovery drops."""
+        accumulators in :meth:`accumulation_dtype`; the synced backward adds them back
+        before reducing. ``unsharded.grad`` then only ever holds the current backward's
+        gradient, which is what an aborted backward's recovery drops."""
+        dtype = self.accumulation_dtype()
         for p in self.params:
             g = p.unsharded_grad()
             if g is not None:  # .to() is a no-op reference when the dtypes already match
-                p.acc_grad = g.to(self.reduce_dtype) if p.acc_grad is None else p.acc_grad.add_(g)
+                p.acc_grad = g.to(dtype) if p.acc_grad is None else p.acc_grad.add_(g)
                 p.unsharded.grad = None
+
+    def accumulation_dtype(self) -> torch.dtype:
+        """The dtype no-sync accumulators sum in. ``fully_shard`` (torch FSDP2's rule,
+        ``FSDPParam.to_accumulated_grad_if_needed``): ``reduce_dtype`` (bf16 gradients
+        summed over many microbatches in bf16 would lose precision; with no
+        ``reduce_dtype`` that is ``param_dtype``). The FSDP1 front end
+        (``accumulate_in_compute_dtype``): the forward/backward dtype ``param_dtype``,
+        whatever ``reduce_dtype`` says, because torch FSDP1 leaves the unsharded gradient
+        in ``FlatParameter.grad`` under ``no_sync`` and autograd adds each backward's
+        gradient to it in that dtype; it casts to ``reduce_dtype`` only to reduce."""
+        return self.param_dtype if self.accumulate_in_compute_dtype else self.reduce_dtype
 
     def reduce_grads(self) -> None:
         """Launch the (async) reduce-scatter of the unsharded gradients, if syncing."""

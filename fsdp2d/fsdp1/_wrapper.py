@@ -121,6 +121,8 @@ class FullyShardedDataParallel(Unit):
         group = module._fsdp2d_fsdp.group
         if kw["backward_prefetch"] is None:
             module.set_modules_to_backward_prefetch([])
+        if group is not None:  # torch FSDP1's no_sync sums unsharded gradients in param_dtype
+            group.accumulate_in_compute_dtype = True
         if group is not None and mp is not None and mp.keep_low_precision_grads:
             group.grad_dtype = mp.param_dtype
         self._fsdp_wrapped_module = module
