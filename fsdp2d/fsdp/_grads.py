@@ -121,13 +121,13 @@ class GradReduction:
         copied = False
         if self.flat_param is not None:  # one flat gradient (zeros where a rank had none)
             flat = self.flat_param
-            g = out[:self.total].to(flat.device, self.grad_dtype or flat.dtype, non_blocking=flat.grad is None)
             copied = host and flat.grad is None
             if flat.grad is None:
+                g = out[:self.total].to(flat.device, self.grad_dtype or flat.dtype, non_blocking=True)
                 meta = flat._spec.tensor_meta._replace(dtype=g.dtype)
                 set_grad(flat, as_dtensor(g, dataclasses.replace(flat._spec, tensor_meta=meta)))
             else:
-                local_of(flat.grad).add_(g)
+                _accumulate(local_of(flat.grad), out[:self.total], flat.dtype)
         else:
             had_grad = [float(p.requires_grad) for p in self.params] if all_had else out[self.total:].tolist()
             for p, flag in zip(self.params, had_grad):
@@ -140,11 +140,11 @@ class GradReduction:
         """Set or accumulate ``p``'s sharded gradient from ``g`` (its reduced shard on the
         compute device); True when a copy to the host is left in flight."""
         current = p.sharded.grad
-        g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=current is None)
         if current is None:
+            g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=True)
             set_grad(p.sharded, as_dtensor(g, p.spec(g.dtype)))
             return host
-        local_of(current).add_(g)
+        _accumulate(local_of(current), g, p.sharded.dtype)
         return False
 
     def wait_offload(self) -> None:
@@ -152,6 +152,20 @@ class GradReduction:
         if self.offload_event is not None:
             self.offload_event.synchronize()
             self.offload_event = None
+
+
+def _accumulate(current: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> None:
+    """``current += g`` (a reduced shard), summed in ``dtype``, the sharded parameters'
+    dtype. A gradient kept in another dtype (FSDP1's ``keep_low_precision_grads``: bf16
+    on fp32 parameters) is upcast, summed and cast back, as torch FSDP1 does
+    (``prepare_gradient_for_backward`` upcasts the saved shard, ``_accumulate_sharded_grad``
+    adds in the parameter dtype, ``prepare_gradient_for_optim`` casts down): one rounding
+    per backward instead of two. The copy to the host (CPU offload) blocks: the add reads it."""
+    g = g.to(current.device, dtype)
+    if current.dtype == dtype:
+        current.add_(g)
+    else:
+        current.copy_(current.to(dtype).add_(g))
 
 
 def _record_event(device: torch.device) -> Any:
