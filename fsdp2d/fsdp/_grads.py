@@ -2,7 +2,8 @@
 accumulating without sync, packing the unsharded gradients for one reduce-scatter,
 and handing each sharded parameter its reduced gradient (and, with CPU offload, the
 event an optimizer must wait for). State it reads is the group's: ``params``, ``k``,
-``total``, ``reduce_dtype``, ``grad_dtype``, ``compute_device``, the groups, ``_reduce``,
+``total``, ``param_dtype``, ``reduce_dtype``, ``grad_dtype``, ``accumulate_in_compute_dtype``,
+``compute_device``, the groups, ``_reduce``,
 ``_flags``, ``flat_param``, ``divide_factor``, ``offload_event``."""
 
 from __future__ import annotations
@@ -20,15 +21,26 @@ from ._param import FSDPParam
 class GradReduction:
     def accumulate_unsynced(self) -> None:
         """Without gradient sync, move this backward's unsharded gradients into
-        accumulators in ``reduce_dtype`` (bf16 gradients summed over many microbatches in
-        bf16 would lose precision); the synced backward adds them back before reducing.
-        ``unsharded.grad`` then only ever holds the current backward's gradient, which is
-        what an aborted backward's recovery drops."""
+        accumulators in :meth:`accumulation_dtype`; the synced backward adds them back
+        before reducing. ``unsharded.grad`` then only ever holds the current backward's
+        gradient, which is what an aborted backward's recovery drops."""
+        dtype = self.accumulation_dtype()
         for p in self.params:
             g = p.unsharded_grad()
             if g is not None:  # .to() is a no-op reference when the dtypes already match
-                p.acc_grad = g.to(self.reduce_dtype) if p.acc_grad is None else p.acc_grad.add_(g)
+                p.acc_grad = g.to(dtype) if p.acc_grad is None else p.acc_grad.add_(g)
                 p.unsharded.grad = None
+
+    def accumulation_dtype(self) -> torch.dtype:
+        """The dtype no-sync accumulators sum in. ``fully_shard`` (torch FSDP2's rule,
+        ``FSDPParam.to_accumulated_grad_if_needed``): ``reduce_dtype`` (bf16 gradients
+        summed over many microbatches in bf16 would lose precision; with no
+        ``reduce_dtype`` that is ``param_dtype``). The FSDP1 front end
+        (``accumulate_in_compute_dtype``): the forward/backward dtype ``param_dtype``,
+        whatever ``reduce_dtype`` says, because torch FSDP1 leaves the unsharded gradient
+        in ``FlatParameter.grad`` under ``no_sync`` and autograd adds each backward's
+        gradient to it in that dtype; it casts to ``reduce_dtype`` only to reduce."""
+        return self.param_dtype if self.accumulate_in_compute_dtype else self.reduce_dtype
 
     def reduce_grads(self) -> None:
         """Launch the (async) reduce-scatter of the unsharded gradients, if syncing."""
@@ -147,13 +159,13 @@ class GradReduction:
         copied = False
         if self.flat_param is not None:  # one flat gradient (zeros where a rank had none)
             flat = self.flat_param
-            g = out[:self.total].to(flat.device, self.grad_dtype or flat.dtype, non_blocking=flat.grad is None)
             copied = host and flat.grad is None
             if flat.grad is None:
+                g = out[:self.total].to(flat.device, self.grad_dtype or flat.dtype, non_blocking=True)
                 meta = flat._spec.tensor_meta._replace(dtype=g.dtype)
                 set_grad(flat, as_dtensor(g, dataclasses.replace(flat._spec, tensor_meta=meta)))
             else:
-                local_of(flat.grad).add_(g)
+                _accumulate(local_of(flat.grad), out[:self.total], flat.dtype)
         else:
             had_grad = [float(p.requires_grad) for p in self.params] if all_had else out[self.total:].tolist()
             for p, flag in zip(self.params, had_grad):
@@ -166,11 +178,11 @@ class GradReduction:
         """Set or accumulate ``p``'s sharded gradient from ``g`` (its reduced shard on the
         compute device); True when a copy to the host is left in flight."""
         current = p.sharded.grad
-        g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=current is None)
         if current is None:
+            g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=True)
             set_grad(p.sharded, as_dtensor(g, p.spec(g.dtype)))
             return host
-        local_of(current).add_(g)
+        _accumulate(local_of(current), g, p.sharded.dtype)
         return False
 
     def wait_offload(self) -> None:
@@ -178,6 +190,20 @@ class GradReduction:
         if self.offload_event is not None:
             self.offload_event.synchronize()
             self.offload_event = None
+
+
+def _accumulate(current: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> None:
+    """``current += g`` (a reduced shard), summed in ``dtype``, the sharded parameters'
+    dtype. A gradient kept in another dtype (FSDP1's ``keep_low_precision_grads``: bf16
+    on fp32 parameters) is upcast, summed and cast back, as torch FSDP1 does
+    (``prepare_gradient_for_backward`` upcasts the saved shard, ``_accumulate_sharded_grad``
+    adds in the parameter dtype, ``prepare_gradient_for_optim`` casts down): one rounding
+    per backward instead of two. The copy to the host (CPU offload) blocks: the add reads it."""
+    g = g.to(current.device, dtype)
+    if current.dtype == dtype:
+        current.add_(g)
+    else:
+        current.copy_(current.to(dtype).add_(g))
 
 
 def _record_event(device: torch.device) -> Any:

@@ -91,6 +91,7 @@ class FSDPParamGroup(GradReduction):
         # Parameter over the flat storage that receives one flat gradient instead of the
         # per-parameter ones (use_orig_params=False).
         self.grad_dtype: torch.dtype | None = None
+        self.accumulate_in_compute_dtype = False  # FSDP1: no-sync sums in param_dtype (see accumulation_dtype)
         self.flat_param: torch.nn.Parameter | None = None
         self.compute_device = params[0].sharded.device if params else torch.device("cpu")
         self._build_flat(self.compute_device)

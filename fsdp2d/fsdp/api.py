@@ -75,11 +75,12 @@ class FSDPModule:
             self._fsdp2d_fsdp.group.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: backward keeps unsharded gradients (accumulating microbatches) and does
-        not reduce-scatter; set True before the last microbatch to sync once. (Leaving it
-        True accumulates too: every backward reduce-scatters and adds into the sharded
-        ``.grad``s, which keeps gradient memory at 1/dp for one reduce-scatter per
-        microbatch, as torch FSDP2.)"""
+        """False: backward keeps unsharded gradients (accumulating microbatches, in
+        ``reduce_dtype``, as torch FSDP2) and does not reduce-scatter; set True before the
+        last microbatch to sync once. (Leaving it True accumulates too: every backward
+        reduce-scatters and adds into the sharded ``.grad``s in the parameters' dtype,
+        which keeps gradient memory at 1/dp for one reduce-scatter per microbatch, as
+        torch FSDP2.) docs/accumulation.md compares the two."""
         for s in self._fsdp_states(recurse):
             if s.group is not None:
                 s.group.requires_sync = requires_gradient_sync

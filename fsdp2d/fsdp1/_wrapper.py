@@ -121,6 +121,8 @@ class FullyShardedDataParallel(Unit):
         group = module._fsdp2d_fsdp.group
         if kw["backward_prefetch"] is None:
             module.set_modules_to_backward_prefetch([])
+        if group is not None:  # torch FSDP1's no_sync sums unsharded gradients in param_dtype
+            group.accumulate_in_compute_dtype = True
         if group is not None and mp is not None and mp.keep_low_precision_grads:
             group.grad_dtype = mp.param_dtype
         self._fsdp_wrapped_module = module
@@ -244,8 +246,10 @@ class FullyShardedDataParallel(Unit):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward inside keeps unsharded gradients and does not communicate; the first
-        backward after it reduces their sum. Call on the root."""
+        """Backward inside keeps unsharded gradients, summed in ``param_dtype`` (the
+        compute dtype, whatever ``reduce_dtype``: torch FSDP1's semantics), and does not
+        communicate; the first backward after it casts their sum to ``reduce_dtype`` and
+        reduces it. Call on the root. docs/accumulation.md compares the dtypes."""
         if not self.check_is_root():
             raise RuntimeError("no_sync() on an inner FSDP instance is not supported; call it on the root")
         fsdp = self.fsdp_modules(self)

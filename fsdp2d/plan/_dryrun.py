@@ -14,7 +14,9 @@ AdamW (``foreach`` on CUDA, torch's default there), ``zero_grad``. Micro-batches
 ``accum - 1`` are the same step after step (same ops, same live memory: the gradient
 accumulators exist from the first one on), so at most three run: the first, one of the
 middle ones and the last; the middle one's collectives and work count ``accum - 2``
-times. The memory peak is exact either way.
+times. The memory peak is exact either way. With more than one micro-batch, the step is
+measured a second time in the other ``training.grad_sync`` mode (:func:`measure_modes`),
+so the report shows what each accumulation mode costs, both measured.
 
 AdamW steps the parameters' local shards (:class:`ShardOptimizer`). DTensor runs an
 optimizer op as the same op on its operands' local tensors when, index by index, the
@@ -50,7 +52,7 @@ from fsdp2d.train.trainer import parallelize_model
 
 from ._probe import StepProbe
 
-__all__ = ["dry_run", "measure_step", "trainer_step", "warm_up", "axis_groups", "build_optimizer",
+__all__ = ["dry_run", "measure_step", "measure_modes", "trainer_step", "warm_up", "axis_groups", "build_optimizer",
            "ShardOptimizer"]
 
 
@@ -228,9 +230,40 @@ def warm_up(model: torch.nn.Module, opt: "torch.optim.Optimizer | ShardOptimizer
     opt.zero_grad()
 
 
-def dry_run(cfg: JobConfig, world: int, rank: int, *, shard_optimizer: bool = True) -> dict:
+def _mode_figures(measured: dict) -> dict:
+    """What one ``training.grad_sync`` mode costs: the step's peak, the gradients live at
+    that peak (unsharded accumulators and sharded gradients), the phase of the peak and
+    the collectives (``axis/kind``: [count, bytes])."""
+    phase = max(measured["phase_peak"], key=measured["phase_peak"].get)
+    return {"peak": measured["peak"], "gradients_at_peak": measured["peak_breakdown"].get("gradients", 0),
+            "peak_phase": phase, "collectives": measured["collectives"]}
+
+
+def measure_modes(model: torch.nn.Module, opt: "torch.optim.Optimizer | ShardOptimizer", cfg: JobConfig,
+                  batch: tuple[torch.Tensor, torch.Tensor], axis_of_group: dict[str, str],
+                  compare_modes: bool = True) -> dict:
+    """:func:`measure_step` in the config's ``training.grad_sync`` mode; with more than one
+    micro-batch per step and ``compare_modes``, the same step again in the other mode
+    (one more measured step on the model already built: the two figures are both
+    measured, never derived). The result carries ``accumulation``: ``chosen``, and per
+    mode :func:`_mode_figures`."""
+    out = measure_step(model, opt, cfg, batch, axis_of_group)
+    chosen = cfg.training.grad_sync
+    modes = {chosen: _mode_figures(out)}
+    if compare_modes and cfg.accum_steps > 1:
+        other = "last" if chosen == "every" else "every"
+        alt = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, grad_sync=other))
+        modes[other] = _mode_figures(measure_step(model, opt, alt, batch, axis_of_group))
+    out["accumulation"] = {"chosen": chosen, "accum_steps": cfg.accum_steps, "modes": modes}
+    return out
+
+
+def dry_run(cfg: JobConfig, world: int, rank: int, *, shard_optimizer: bool = True,
+            compare_modes: bool = True) -> dict:
     """Figures of rank ``rank``'s step in a job of ``world`` ranks (see module doc);
-    ``shard_optimizer=False`` steps AdamW through DTensor instead (the checks compare)."""
+    ``shard_optimizer=False`` steps AdamW through DTensor instead (the checks compare);
+    ``compare_modes=False`` skips measuring the other ``training.grad_sync`` mode
+    (:func:`measure_modes`)."""
     init_fake_world(rank, world)
     try:
         cpu = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, device="cpu"))
@@ -242,7 +275,7 @@ def dry_run(cfg: JobConfig, world: int, rank: int, *, shard_optimizer: bool = Tr
             x = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch, cfg.data.seq_len))
             y = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch, cfg.data.seq_len))
             warm_up(model, opt, x)
-            out = measure_step(model, opt, cfg, (x, y), axis_groups(mesh))
+            out = measure_modes(model, opt, cfg, (x, y), axis_groups(mesh), compare_modes)
         out["coordinate"] = dict(zip(cfg.mesh_dim_names, mesh.get_coordinate()))
         out["axis_ranks"] = {n: mesh[n].mesh.flatten().tolist() for n in cfg.mesh_dim_names}
         out["axis_ranks"]["world"] = list(range(world))

@@ -27,6 +27,31 @@ def _header(r: dict, config: str) -> list[str]:
     ]
 
 
+def _accumulation(acc: dict | None) -> list[str]:
+    """Each ``training.grad_sync`` mode's peak, gradients at the peak, the collectives in
+    which the modes differ (both modes measured: see ``_dryrun.measure_modes``) and the
+    estimated step (its collectives, the chosen mode's compute)."""
+    if acc is None:
+        return []
+    chosen, modes = acc["chosen"], acc["modes"]
+    if len(modes) == 1:
+        why = "one micro-batch per step: both modes are the same step" if acc["accum_steps"] == 1 else "not measured"
+        return [f"  gradient accumulation (training.grad_sync = {chosen}): other mode {why}"]
+    keys = sorted({k for m in modes.values() for k in m["collectives"]})
+    differ = [k for k in keys if len({str(m["collectives"].get(k)) for m in modes.values()}) > 1]
+    lines = [f"  gradient accumulation over {acc['accum_steps']} micro-batches, per training.grad_sync mode "
+             f"(each measured), GiB"]
+    for name in (chosen, *sorted(set(modes) - {chosen})):
+        m = modes[name]
+        comm = "; ".join(f"{k} {m['collectives'][k][0]} x {_gib(m['collectives'][k][1])} GiB"
+                         for k in differ if k in m["collectives"])
+        label = f"{name} ({'chosen' if name == chosen else 'other'})"
+        step = f"; step {m['estimate']['step_s']:.3f} s" if "estimate" in m else ""
+        lines.append(f"    {label:<22} peak {_gib(m['peak']):>6}, gradients at peak {_gib(m['gradients_at_peak']):>6}"
+                     f" ({m['peak_phase']}){'; ' + comm if comm else ''}{step}")
+    return lines
+
+
 def _rank(rank: dict, gpu: dict) -> list[str]:
     coord = ", ".join(f"{k}={v}" for k, v in rank["coordinate"].items())
     e, br = rank["estimate"], rank["peak_breakdown"]
@@ -40,6 +65,7 @@ def _rank(rank: dict, gpu: dict) -> list[str]:
         f"    gradients (sharded)    {_gib(rank['gradients']):>9}",
         f"    optimizer state        {_gib(rank['optimizer']):>9}",
         f"    peak                   {_gib(rank['peak']):>9}   in {phase}: {at_peak}",
+        *_accumulation(rank.get("accumulation")),
         "  collectives per step (measured; bytes = logical buffer; time = ring bytes at the link's bandwidth)",
     ]
     for key, row in rank["collectives"].items():

@@ -125,8 +125,12 @@ def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_n
     for rank, (measured, seconds) in zip(ranks, _dry_runs(cfg, world, ranks)):
         ops = measured.pop("ops")
         compute = roofline_seconds(ops, gpu)
-        comm = comm_table(measured, measured.pop("axis_ranks"), gpus_per_node, gpu)
+        axis_ranks = measured.pop("axis_ranks")
+        comm = comm_table(measured, axis_ranks, gpus_per_node, gpu)
         est = estimate(measured, comm, gpu, tokens_per_gpu, flops_per_token, compute)
+        for mode in measured.get("accumulation", {}).get("modes", {}).values():  # each grad_sync mode's step
+            mode["estimate"] = estimate(mode, comm_table(mode, axis_ranks, gpus_per_node, gpu), gpu,
+                                        tokens_per_gpu, flops_per_token, compute)
         report["ranks"].append({"rank": rank, **measured, "collectives": comm, "estimate": est,
                                 "roofline_ops": len(ops), "dry_run_s": seconds})
     return report

@@ -213,12 +213,15 @@ class TrainingConfig:
     micro_batch: int | None = None
     """Sequences per forward/backward on one rank; None = the whole per-rank batch
     (no gradient accumulation)."""
-    grad_sync: Literal["last", "every"] = "last"
-    """With gradient accumulation (``micro_batch`` set): ``last`` keeps each micro-batch's
-    unsharded gradients (full size, in the reduce dtype) until the last one reduce-scatters
-    their sum, one reduce-scatter per step; ``every`` reduce-scatters every micro-batch and
-    accumulates into the sharded gradients (1/dp of the memory, ``accum_steps`` x the
-    reduce-scatters)."""
+    grad_sync: Literal["last", "every"] = "every"
+    """How micro-batches accumulate (with ``micro_batch`` set, more than one per step).
+    ``every`` (the default, memory first, as torchtitan): every micro-batch reduce-scatters
+    its gradients and adds them to the sharded fp32 gradients, so no full-size gradient
+    outlives its backward (gradients 1/dp of the model; ``accum_steps`` x the
+    reduce-scatters). ``last`` (bandwidth first): micro-batches before the last keep their
+    unsharded gradients (full TP-local size, in the reduce dtype) and the last one
+    reduce-scatters their sum, one reduce-scatter per step. ``fsdp2d plan`` reports both
+    (docs/accumulation.md)."""
     mixed_precision: Literal["none", "bf16"] = "none"
     """``bf16``: bf16 parameters/activations in compute, fp32 master weights and
     gradient reduction; ``none``: fp32 throughout."""

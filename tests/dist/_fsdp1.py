@@ -42,7 +42,7 @@ COUNT_STEP = 1  # the step whose collectives are counted (step 0 may record orde
 class Setup:
     model: str = "llama"               # "llama" or "gpt2"
     strategy: str = "FULL_SHARD"       # a ShardingStrategy member name
-    mp: bool = False                   # bf16 params, fp32 reduce
+    mp: str = ""                       # "bf16": bf16 params, fp32 reduce; "bf16-reduce": fp32 params, bf16 reduce
     microbatches: int = 1              # >1: gradient accumulation under no_sync()
     use_orig_params: bool = True
     tp: bool = False                   # TP on a 2x2 (dp, tp) mesh, FSDP1 over dp
@@ -216,7 +216,9 @@ def wrap(api: SimpleNamespace, impl: str, s: Setup):
         dp_rank, dp_size = device_mesh.get_local_rank(), device_mesh.size()
     elif s.strategy in HYBRID:  # replicate across the 2 groups, shard within each
         device_mesh = mesh_for(api, impl, (2, 2), ("replicate", "shard"))
-    mp = api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if s.mp else None
+    mp = {"": None, "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+          "bf16-reduce": dict(reduce_dtype=torch.bfloat16)}[s.mp]
+    mp = None if mp is None else api.MixedPrecision(**mp)
     model = api.FullyShardedDataParallel(
         model, sharding_strategy=getattr(api.ShardingStrategy, s.strategy),
         auto_wrap_policy=functools.partial(api.transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),
@@ -341,3 +343,64 @@ def torch_hybrid_without_mesh() -> tuple:
                                                         transformer_layer_cls={block_cls}))
     sizes = [dist.get_world_size(u.process_group) for u in FSDP.fsdp_modules(model)]
     return error, sizes, [str(w.message) for w in caught]
+
+
+ACC_POLICIES = {  # (param_dtype, reduce_dtype) of MixedPrecision / MixedPrecisionPolicy
+    "none": (None, None), "bf16": (torch.bfloat16, None), "bf16-fp32_reduce": (torch.bfloat16, torch.float32),
+    "bf16_reduce": (None, torch.bfloat16),
+}
+
+
+def accumulator_dtypes() -> dict:
+    """Pool job: the dtype the unsharded gradients of a no-sync backward are kept in, per
+    MixedPrecision setting, for torch's FSDP1 (``FlatParameter.grad`` under ``no_sync``),
+    torch's FSDP2 (``FSDPParam.unsharded_accumulated_grad``, else the unsharded
+    parameter's ``.grad``, after ``set_requires_gradient_sync(False)``), fsdp2d's FSDP1
+    front end and fsdp2d's ``fully_shard`` (their groups' no-sync accumulators)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP1
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fsdp2d
+    from fsdp2d.fsdp1 import FullyShardedDataParallel as FSDP1
+
+    torch.set_num_threads(1)
+    mesh = get_mesh((dist.get_world_size(),), ("dp",))
+    x = torch.randn(4, 8)
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+
+    def backward(m):
+        m(x).float().square().sum().backward()
+
+    def fsdp2d_acc(m):
+        return {p.acc_grad.dtype for s in [m._fsdp2d_fsdp] for p in s.group.params}
+
+    out = {}
+    for name, (param, reduce) in ACC_POLICIES.items():
+        mp = MixedPrecision(param_dtype=param, reduce_dtype=reduce)
+        row = {}
+        m = TorchFSDP1(model(), mixed_precision=mp, use_orig_params=False, device_id=torch.device("cpu"))
+        with m.no_sync():
+            backward(m)
+        row["torch FSDP1"] = {m._handle.flat_param.grad.dtype}
+        m = FSDP1(model(), mixed_precision=mp, use_orig_params=False, device_id=torch.device("cpu"))
+        with m.no_sync():
+            backward(m)
+        row["fsdp2d FSDP1"] = fsdp2d_acc(m)
+        m = torch_fully_shard(model(), mesh=mesh, mp_policy=TorchPolicy(param_dtype=param, reduce_dtype=reduce))
+        m.set_requires_gradient_sync(False)
+        backward(m)
+        row["torch FSDP2"] = {(p.unsharded_accumulated_grad if p.unsharded_accumulated_grad is not None
+                               else p._unsharded_param.grad).dtype
+                              for p in m._get_fsdp_state()._fsdp_param_group.fsdp_params}
+        m = fsdp2d.fully_shard(model(), mesh=mesh, mp_policy=fsdp2d.MixedPrecisionPolicy(param_dtype=param,
+                                                                                           reduce_dtype=reduce))
+        m.set_requires_gradient_sync(False)
+        backward(m)
+        row["fsdp2d fully_shard"] = fsdp2d_acc(m)
+        out[name] = {k: str(v.pop()).removeprefix("torch.") if len(v) == 1 else sorted(map(str, v))
+                     for k, v in row.items()}
+    return out

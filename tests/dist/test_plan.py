@@ -33,7 +33,7 @@ def _storage_bytes(tensors) -> int:
     return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in local}.values())
 
 
-def job_real_step(config: str) -> dict:
+def job_real_step(config: str, overrides: tuple[str, ...] = ()) -> dict:
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from compare_torch import StepTracker
@@ -43,7 +43,7 @@ def job_real_step(config: str) -> dict:
     from fsdp2d.plan.cli import resolve
     from fsdp2d.train.trainer import build_model
 
-    cfg = resolve(config, [], 4)
+    cfg = resolve(config, list(overrides), 4)
     mesh = get_mesh(cfg.mesh_shape, cfg.mesh_dim_names)
     model = build_model(cfg, mesh)
     opt = build_optimizer(model.parameters(), cfg)
@@ -77,8 +77,10 @@ def planned() -> dict:
 
 
 @pytest.fixture(scope="module")
-def real(pool) -> list[dict]:
-    return pool.run(job_real_step, str(CONFIG))
+def real(pool) -> dict[str, list[dict]]:
+    """The real step in each ``training.grad_sync`` mode, per rank."""
+    return {mode: pool.run(job_real_step, str(CONFIG), (f"--training.grad_sync={mode}",))
+            for mode in ("every", "last")}
 
 
 def test_plan_json_fields(planned):
@@ -106,7 +108,7 @@ def test_plan_json_fields(planned):
 @pytest.mark.parametrize("index,rank", [(0, 0), (1, 3)])
 def test_memory_matches_a_real_run(planned, real, index, rank):
     """(a) The dry run's memory against the real run's storage-level peak: within 10%."""
-    plan, got = planned["ranks"][index], real[rank]
+    plan, got = planned["ranks"][index], real["every"][rank]  # the default mode
     print(f"rank {rank}: plan {({k: plan[k] for k in got if k != 'collectives'})} real "
           f"{({k: v for k, v in got.items() if k != 'collectives'})}")
     for key in ("peak", "parameters", "gradients", "optimizer"):
@@ -118,7 +120,27 @@ def test_collectives_match_a_real_run(planned, real, index, rank):
     """(b) Collectives and bytes per mesh axis: equal to what the real step issued (the
     dry run extrapolates the middle micro-batch; the real run ran all three)."""
     plan = {k: [v["count"], v["bytes"]] for k, v in planned["ranks"][index]["collectives"].items()}
-    assert plan == real[rank]["collectives"]
+    assert plan == real["every"][rank]["collectives"]
+
+
+@pytest.mark.parametrize("mode", ["every", "last"])
+@pytest.mark.parametrize("index,rank", [(0, 0), (1, 3)])
+def test_each_accumulation_mode_matches_a_real_run(planned, real, mode, index, rank):
+    """(d) The report's figures for both ``training.grad_sync`` modes (the default
+    ``every`` and the other, ``last``, measured in the same dry run) against a real step
+    in that mode: peak within 10%, collectives equal. In ``every`` the gradients live at
+    the peak are the sharded gradients; ``last`` holds the unsharded accumulators too."""
+    acc, plan = planned["ranks"][index]["accumulation"], planned["ranks"][index]
+    assert acc["chosen"] == "every" and acc["accum_steps"] == 3 and set(acc["modes"]) == {"every", "last"}
+    m, got = acc["modes"][mode], real[mode][rank]
+    assert abs(m["peak"] - got["peak"]) <= 0.10 * got["peak"], (m["peak"], got["peak"])
+    assert m["collectives"] == got["collectives"]
+    if mode == "every":  # the chosen mode's figures are the report's own
+        assert m["peak"] == plan["peak"] and m["gradients_at_peak"] == plan["gradients"]
+        assert m["estimate"] == plan["estimate"]
+    else:
+        # dp = 2: full TP-local accumulators are ~2x the sharded gradients (the shards carry padding)
+        assert m["gradients_at_peak"] > 1.5 * acc["modes"]["every"]["gradients_at_peak"]
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])  # AdamW's foreach ops (as on CUDA) and its for-loop

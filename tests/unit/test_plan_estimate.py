@@ -51,6 +51,27 @@ def test_does_not_fit_says_by_how_much():
     assert "does not fit: 3.00 GiB over" in format_report(report, "x.toml")
 
 
+def test_report_shows_each_accumulation_mode():
+    """With micro-batches the table prints both ``training.grad_sync`` modes: peak,
+    gradients at the peak, the collectives that differ (only those) and the step."""
+    from fsdp2d.plan._format import _accumulation
+
+    def mode(peak, grads, rs):
+        return {"peak": peak * 2**30, "gradients_at_peak": grads * 2**30, "peak_phase": "forward 3",
+                "collectives": {"dp/all_gather": [644, 2**30], "dp/reduce_scatter": [rs, rs * 2**30]},
+                "estimate": {"step_s": rs / 100}}
+
+    acc = {"chosen": "every", "accum_steps": 4, "modes": {"every": mode(4.5, 0.04, 324), "last": mode(37.3, 32.86, 81)}}
+    lines = _accumulation(acc)
+    assert lines[1] == ("    every (chosen)         peak   4.50, gradients at peak   0.04 (forward 3); "
+                        "dp/reduce_scatter 324 x 324.00 GiB; step 3.240 s")
+    assert lines[2].startswith("    last (other)           peak  37.30, gradients at peak  32.86 (forward 3); "
+                               "dp/reduce_scatter 81 x 81.00 GiB") and "all_gather" not in lines[2]
+    one = _accumulation({"chosen": "every", "accum_steps": 1, "modes": {"every": mode(1, 0, 1)}})
+    assert one == ["  gradient accumulation (training.grad_sync = every): other mode one micro-batch per step: "
+                   "both modes are the same step"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--world-size", "12"], "world size 12 is not divisible by hsdp_replicate * tp = 1 * 8 = 8"),
     (["--nodes", "2", "--world-size", "16"], "not both"),

@@ -161,6 +161,11 @@ def test_derived_sizes_and_hsdp_mesh():
     plain = _cfg("--parallel.dp=2", "--parallel.tp=2")
     assert plain.mesh_shape == (2, 2) and plain.mesh_dim_names == ("dp", "tp")
     assert plain.micro_batch == 8 and plain.accum_steps == 1
+    # accumulation: sharded by default (every micro-batch reduce-scatters); `last` syncs once
+    assert cfg.training.grad_sync == "every" and [cfg.syncs_gradients(m) for m in range(4)] == [True] * 4
+    last = _cfg("--parallel.dp=4", "--training.global_batch=32", "--training.micro_batch=2",
+                "--training.grad_sync=last")
+    assert [last.syncs_gradients(m) for m in range(last.accum_steps)] == [False, False, False, True]
     assert plain.checkpoint_dir == Path("runs/default/checkpoints")
 
 
