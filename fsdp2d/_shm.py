@@ -19,9 +19,10 @@ through shared memory instead, as NCCL's SHM transport does for GPUs:
   behind when a process dies.
 
 The sender never waits for acks (it grows the ring instead), acks wait in a queue
-and go out with the link's next token (or when the link next waits), and a data token that finds the socket full reads the peer's
-tokens while it waits for room, so as long as all ranks issue the same exchanges in
-the same order (the contract of every collective) two ranks cannot block each other;
+and go out with the link's next token (or when the link next waits), and a data token
+that finds the socket full reads the peer's tokens while it waits for room, so as long
+as all ranks issue the same exchanges in the same order (the contract of every
+collective) two ranks cannot block each other;
 the receiver blocks in ``poll`` until the data token arrives, for at most the process
 group's timeout. (A socket holds ~270 unread tokens: a rank that issues more than ~270
 exchanges to one peer while that peer is blocked in a collective on another group
