@@ -6,13 +6,15 @@ Builds rank 0's part of compare_torch.py's 2x2 run in one process on torch's ``f
 backend (collectives return at once and move nothing), so what is timed is the rank's
 own work: compute plus each stack's Python. Four variants, same model and batch:
 
-* plain:   the TP-local shapes with fsdp2d's hooks removed: no TP autograd functions, no
-           FSDP; just the local matmuls a rank must do (the compute floor);
-* tp only: fsdp2d's ``parallelize_module`` (its autograd collectives, no FSDP);
+* plain:   the TP-local shapes as plain parameters, fsdp2d's hooks and TP forwards removed:
+           no TP autograd functions, no DTensors, no FSDP; just the local matmuls a rank
+           must do (the compute floor);
+* tp only: fsdp2d's ``parallelize_module`` (its autograd collectives, no FSDP; for-loop AdamW);
 * fsdp2d:  TP + ``fully_shard`` as benchmarked;
 * torch:   torch's DTensor TP + FSDP2 as benchmarked.
 
-Reports the main thread's CPU ms per training step (forward, backward, AdamW step), the
+Reports the main thread's CPU ms per training step (forward, backward, AdamW step: fused but
+for "tp only"), the
 median of 12 steps after 3 warmup steps. The difference between these and the
 "CPU ms/step/rank" of a real gloo run is the cost of communication on that machine.
 """
@@ -27,6 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,15 +42,22 @@ from fsdp2d.models import gpt2_tp_plan, llama_tp_plan  # noqa: E402
 def plain_local(cfg: ct.Config, mesh: fsdp2d.DeviceMesh, tp_only: bool) -> torch.nn.Module:
     model = ct.build_model(cfg)
     fsdp2d.parallelize_module(model, mesh["tp"], gpt2_tp_plan() if cfg.model == "gpt2" else llama_tp_plan())
-    if not tp_only:
-        for m in model.modules():  # drop the TP boundary hooks: a plain model of local shapes
+    if not tp_only:  # a plain model of local shapes: no TP hooks, forwards or DTensor parameters
+        for m in model.modules():
             m._forward_hooks.clear()
             m._forward_pre_hooks.clear()
+            m.__dict__.pop("forward", None)  # row-wise Linear / vocab-parallel Embedding forwards
+            for name, p in list(m._parameters.items()):
+                if isinstance(p, DTensor):
+                    m._parameters[name] = torch.nn.Parameter(p.to_local().detach().clone(), p.requires_grad)
     return model
 
 
 def cpu_per_step(model: torch.nn.Module, cfg: ct.Config, local_vocab: int | None) -> float:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # fused, as `make bench` (--optim fused); "tp only" mixes DTensor and plain parameters
+    # (the norms), which one fused step cannot take: the for-loop there
+    fused = len({isinstance(p, DTensor) for p in model.parameters()}) == 1
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=False if not fused else None)
     times = []
     for step in range(15):
         x, y = ct.batch_for(cfg, step, 0, 2)

@@ -224,13 +224,17 @@ class Exchange:
                  finish: Callable[[dict[int, torch.Tensor]], None] | None = None) -> None:
         self._pending, self._finish = pending, finish
 
-    def wait(self) -> bool:
+    def wait(self, consume: Callable[[dict[int, torch.Tensor]], None] | None = None) -> bool:
+        """``consume``: called with the messages after the reduction (see
+        :func:`all_gather_rows`); they are freed when it returns."""
         pending, self._pending = self._pending, None
         if pending is not None:
             parts = pending.wait()
             try:
                 if self._finish is not None:
                     self._finish(parts)
+                if consume is not None:
+                    consume(parts)
             finally:
                 pending.release()
         return True
@@ -253,6 +257,29 @@ def _exchange_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, inf
                          {j: out[j * n:(j + 1) * n] for j in info.others}, inp)
     out[me * n:(me + 1) * n].copy_(inp)
     return Exchange(pending)
+
+
+def all_gather_rows(inp: torch.Tensor, group: Group) -> Exchange | None:
+    """An all-gather of ``inp`` over shared memory that gathers into nothing: the handle's
+    ``wait(consume)`` calls ``consume({group rank: piece})`` with every rank's flat piece
+    where it lies (this rank's ``inp``, the peers' in their rings; valid during the call
+    only), so the caller copies each straight to its destination: one copy of the
+    gathered bytes less than :func:`all_gather_into`, and no gathered buffer. ``wait()``
+    alone drops the pieces. None where the exchange would not go over shared memory
+    (another transport or backend, one rank, a ``CommDebugMode``): use
+    :func:`all_gather_into` there. Counted and observed as an all-gather of
+    ``k * inp`` bytes, as :func:`all_gather_into`."""
+    if _funcol.watched():
+        return None
+    info = _exchange_peers(group, inp)
+    if info is None or info.links is None:
+        return None
+    if not inp.is_contiguous():
+        raise ValueError("all_gather_rows: the input must be contiguous")
+    me, inp = info.me, inp.view(-1)
+    pending = info.start(group, "all_gather", info.k * inp.numel() * inp.element_size(),
+                         {j: inp for j in info.others}, dict.fromkeys(info.others), inp)
+    return Exchange(pending, lambda parts: parts.__setitem__(me, inp))
 
 
 def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, info: _Peers) -> Exchange:

@@ -223,9 +223,11 @@ class FSDPParamGroup(GradReduction):
         self.counts["all_gather"] += 1
         if self.k == 1:
             self._gather = (None, send)
-        else:
-            out = send.new_empty(self.k * self.total)
-            self._gather = (C.all_gather_into(out, send, self.shard_group, async_op=True), out)
+        else:  # over shared memory the pieces are copied out where they lie (out None)
+            rows = C.all_gather_rows(send, self.shard_group) if self.params else None
+            out = None if rows is not None else send.new_empty(self.k * self.total)
+            self._gather = (rows, None) if rows is not None else (
+                C.all_gather_into(out, send, self.shard_group, async_op=True), out)
         if not async_op:
             self.wait_unshard()
 
@@ -233,6 +235,19 @@ class FSDPParamGroup(GradReduction):
         if self._gather is None:
             return
         work, out = self._gather
+        if out is None:  # shared memory (see unshard): one copy op per rank's piece
+            for p in self.params:
+                p.alloc_unsharded()
+            sizes = [p.segment_numel for p in self.params]
+
+            def copy_out(parts: dict[int, torch.Tensor]) -> None:
+                for j, piece in parts.items():
+                    torch.split_with_sizes_copy(piece, sizes, out=[p.padded_row(j) for p in self.params])
+
+            work.wait(copy_out)
+            self._gather = None
+            self.unsharded = True
+            return
         if work is not None:
             work.wait()
         gathered = out.view(self.k, self.total)
@@ -347,6 +362,8 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     tensor, so compare the memory; fake and meta tensors have none to compare). The
     device matters too: ``to_empty()`` swaps a DTensor parameter's contents in place, and
     an empty shard has data pointer 0 on the meta device and on the new one alike."""
+    if a is b:  # the usual case (checked before every forward): no need to look further
+        return True
     if is_fake(a) or a.device.type == "meta" or is_fake(b) or b.device.type == "meta":
         return a is b
     return a.device == b.device and a.data_ptr() == b.data_ptr()

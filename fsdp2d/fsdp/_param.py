@@ -155,7 +155,14 @@ class FSDPParam:
         # .data: the same storage with its own version counter, so refilling what autograd
         # saved (a re-gather before backward) is not an in-place modification error
         self.padded = padded.data
+        # its k segments (rank j's rows), made once: views stay valid while the storage
+        # is freed and refilled (see padded_row)
+        self._padded_rows = self.padded.view(self.num_shards, -1).unbind(0)
         self.free_unsharded()
+
+    def padded_row(self, j: int) -> torch.Tensor:
+        """Segment ``j`` (rank j's rows) of the unsharded storage, flat."""
+        return self._padded_rows[j]
 
     def alloc_unsharded(self) -> None:
         t = self.padded

@@ -76,10 +76,16 @@ def job_exchanges(transport: str):
             w.wait()
         big_ok = all(torch.equal(o.view(k, n), (torch.arange(k) + 10.0 * i).unsqueeze(1).expand(k, n))
                      for i, o in enumerate(bigs))
+        # the gather into nothing (shared memory only): every rank's piece where it lies
+        rows, got = C.all_gather_rows(x, group), None
+        if rows is not None:
+            got = {}
+            rows.wait(lambda parts: got.update({j: t.clone() for j, t in parts.items()}))
+            C.all_gather_rows(x, group).wait()  # received and freed unread: the group stays in step
         shaped = torch.empty(6 * k)  # a (2, 3) input: only the bytes matter, as with gloo
         C.all_gather_into(shaped, torch.arange(6.0).view(2, 3) + me, group)
         out[name] = {"k": k, "me": me, "ranks": dist.get_process_group_ranks(group), "shaped": shaped,
-                     "gathered": gathered, "rs": rs_out, "ar": ar, "x_after": x,
+                     "gathered": gathered, "rows": got, "rs": rs_out, "ar": ar, "x_after": x,
                      "async_ag": a_out, "async_rs": b_out, "big_ok": big_ok,
                      "counts": {kind: c for (g, kind), c in counter.counts.items() if g == group.group_name}}
     # float32 random data: the exchange equals gloo's own all-reduce / reduce-scatter
@@ -108,6 +114,11 @@ def test_exchanges_match_independent_sums_and_gloo(pool, transport):
             assert ranks[me] == rank
             expect_ag = torch.cat([_input(g, 6) for g in ranks])
             assert torch.equal(r["gathered"], expect_ag), (rank, name)
+            if transport == "shm":
+                assert sorted(r["rows"]) == list(range(k)), r["rows"]
+                assert all(torch.equal(r["rows"][j], _input(g, 6)) for j, g in enumerate(ranks)), (rank, name)
+            else:
+                assert r["rows"] is None  # gloo's point-to-point: callers use all_gather_into
             expect_rs = sum(_input(g, 3 * k)[3 * me:3 * me + 3] for g in ranks)
             torch.testing.assert_close(r["rs"], expect_rs, rtol=1e-15, atol=0)
             if k == 2:

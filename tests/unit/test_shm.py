@@ -27,10 +27,12 @@ def ends():
 
 
 def _exchange(a, b, tag, t):
-    """a sends t; b reads it (returned as a copy) and frees it; a collects the ack."""
+    """a sends t; b reads it (returned as a copy) and frees it; a collects the ack (which
+    b sends with its next token or wait: flushed here, as b's next wait would)."""
     a.send(tag, t)
     got = b.recv(tag, t.dtype, t.numel()).clone()
     b.release(tag)
+    b._flush_acks()
     a._pump(block=False)
     return got
 
@@ -60,6 +62,7 @@ def test_messages_read_out_of_order(ends):
     for tag in (3, 1, 2):
         assert torch.equal(b.recv(tag, torch.float32, sent[tag].numel()), sent[tag])
         b.release(tag)
+    b._flush_acks()
     a._pump(block=False)
     assert a.live == {}
 
@@ -74,11 +77,24 @@ def test_ring_grows_while_messages_are_in_flight_and_old_rings_are_freed(ends):
     for tag in (5, 1, 4, 2, 3):
         assert torch.equal(b.recv(tag, torch.float32, big), sent[tag])
         b.release(tag)
+    b._flush_acks()
     a._pump(block=False)
     assert a.retired == {} and a.live == {}
     assert list(b.rings) == [a.gen]  # the receiver unmapped every ring but the newest
     live_rings = [r for r in _shm._RINGS.values() if r.mine]
     assert a.ring in live_rings and _shm.ring_bytes() >= a.ring.size
+
+
+def test_ack_goes_with_the_next_token_not_alone(ends):
+    """A token of its own per ACK would wake a peer waiting for data once per exchange."""
+    a, b = ends
+    a.send(1, torch.ones(1000))
+    b.recv(1, torch.float32, 1000)
+    b.release(1)
+    assert not a.poll_in.poll(0) and 1 in a.live  # nothing sent yet: the ACK waits ...
+    b.send(2, torch.zeros(3))  # ... for b's next token, which carries it
+    assert torch.equal(a.recv(2, torch.float32, 3), torch.zeros(3))
+    assert a.live == {}
 
 
 def test_zero_size_message(ends):
@@ -92,6 +108,7 @@ def test_size_mismatch_names_the_peer_and_keeps_the_link_in_step(ends):
     a.send(1, torch.ones(4))
     with pytest.raises(ValueError, match="end a sent 16 bytes .* expects 20"):
         b.recv(1, torch.float32, 5)
+    b._flush_acks()
     a._pump(block=False)
     assert a.live == {}  # the mismatched message was dropped and acked
     assert torch.equal(_exchange(a, b, 2, torch.arange(3.0)), torch.arange(3.0))
