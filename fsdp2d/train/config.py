@@ -484,8 +484,10 @@ def _parse_overrides(args: Sequence[str]) -> list[tuple[str, str, str]]:
 
 
 def load_config(path: str | os.PathLike[str] | None = None,
-                overrides: Sequence[str] = ()) -> JobConfig:
-    """Defaults, then the TOML (or JSON) file at ``path``, then CLI ``overrides``.
+                overrides: Sequence[str] = (), overlays: Sequence[str | os.PathLike[str]] = ()) -> JobConfig:
+    """Defaults, then the TOML (or JSON) file at ``path``, then each file of ``overlays``
+    in order (``--config-overlay FILE``: a partial config of the same form, e.g. the one
+    ``fsdp2d plan --search --write-overlay`` writes), then CLI ``overrides``.
 
     ``overrides`` are ``--section.key=value`` strings (``--section.key value`` and a bare
     ``--flag`` meaning true also work); values are parsed by the field's type. An empty
@@ -494,8 +496,8 @@ def load_config(path: str | os.PathLike[str] | None = None,
     :func:`validate` next for the cross-field rules.
     """
     cfg = JobConfig()
-    if path is not None:
-        p = Path(path)
+    for file in ([path] if path is not None else []) + list(overlays):
+        p = Path(file)
         try:
             text = p.read_text()
         except FileNotFoundError:

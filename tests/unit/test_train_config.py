@@ -235,3 +235,22 @@ def test_activation_checkpointing_modes_and_old_booleans(tmp_path, text, mode):
     assert load_config(None, [f"--training.activation_checkpointing={cli}"]).training.activation_checkpointing == mode
     with pytest.raises(ConfigError, match="selective"):
         load_config(None, ["--training.activation_checkpointing=some"])
+
+
+def test_config_overlays_apply_in_order(tmp_path):
+    """``--config-overlay FILE`` (``fsdp2d plan --search --write-overlay``'s output): over
+    the config, in order, under the command line's overrides; fsdp2d train takes it."""
+    from fsdp2d.train.cli import _split
+
+    base = _write(tmp_path, "[training]\nsteps = 7\nglobal_batch = 16\n[parallel]\ndp = 2\n")
+    one, two = tmp_path / "one.toml", tmp_path / "two.toml"
+    one.write_text("[parallel]\ndp = 4\ntp = 2\n[training]\nactivation_checkpointing = \"selective\"\n")
+    two.write_text("[parallel]\ntp = 1\n")
+    cfg = load_config(base, ["--training.steps=9"], [one, two])
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.training.steps, cfg.training.global_batch) == (4, 1, 9, 16)
+    assert cfg.training.activation_checkpointing == "selective"
+    argv = ["--config", str(base), "--config-overlay", str(one), f"--config-overlay={two}", "--training.steps=9"]
+    assert _split(argv) == (str(base), ["--training.steps=9"], [str(one), str(two)])
+    with pytest.raises(ConfigError, match="unknown config key 'parallel.dpp'"):
+        two.write_text("[parallel]\ndpp = 1\n")
+        load_config(base, [], [two])
