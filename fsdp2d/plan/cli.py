@@ -147,6 +147,7 @@ def _search(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         world = _world(args)
         cfg = load_config(args.config, overrides, args.config_overlay)
+        cfg.training.micro_batch = None  # the search sets it (a given one may not divide another batch)
         validate(cfg)
         world = cfg.world_size if world is None else world
         if args.gpu not in GPUS:

@@ -6,7 +6,10 @@
 
 * ``tp`` in the divisors of ``gcd(n_heads, n_kv_heads, gpus per node)`` (TP stays inside
   a node); ``tp > 1`` turns on sequence parallel and the vocab-parallel loss;
-* ``hsdp_replicate x dp x tp = N``, every replicate size (1 = plain FSDP);
+* ``hsdp_replicate x dp x tp = N``: plain FSDP (replicate 1), and every HSDP replicate
+  size whose shard group (``dp x tp`` GPUs) is whole nodes: HSDP's point is to keep the
+  sharding collectives inside a node group and send only the gradient all-reduce across
+  groups (a shard group of part of a node leaves that node's NVLink to the replicas);
 * activation checkpointing ``none`` / ``selective`` / ``full``;
 * the global batch: the config's tokens per GPU kept (``global_batch x N / the config's
   world size``; ``--training.global_batch`` fixes it); each ``micro_batch`` dividing the
@@ -24,12 +27,15 @@ bf16, else 4)::
     states      = 16 P / S                     fp32 parameters, gradients, AdamW's two moments
     activations = L b T a (d / s + k)          at the end of the last micro-batch's forward
                     s = tp under sequence parallel, else 1
-                    k = 0 (full: the block's input only), 3 f / tp (none: SwiGLU's saved
-                        tensors, at least), (2 q + 2 kv + 2 f) / tp (selective: the matmul
-                        and attention outputs); d, q, kv, f the model, query, key/value and
-                        SwiGLU widths
+                    k = 0 (full: the block's input only), (q + 2 kv + 3 f) / tp (none: the
+                        attention's inputs and SwiGLU's saved tensors, at least),
+                        (2 q + 2 kv + 2 f) / tp + 2 d (selective: the matmul and attention
+                        outputs); d, q, kv, f the model, query, key/value and SwiGLU widths
+    logits      = b T V a / tp                 vocab-parallel loss (tp > 1), else
+                  2 b T V c                    the logits and their log-softmax (c = 4 bytes,
+                                               2 for bf16 logits kept by loss_parallel)
     accumulators = 4 P / tp (grad_sync last) or 4 P / S (every), with accumulation; else 0
-    bound = max(states, 12 P / S + activations + accumulators)
+    bound = max(states, 12 P / S + activations + logits + accumulators)
 
 Every term is storage the step must hold at that moment, so a configuration over the
 GPU's memory by the bound cannot fit; the rest is decided by the dry run.
@@ -157,6 +163,8 @@ def candidates(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int
         for replicate in _divisors(world // tp):
             dp = world // tp // replicate
             ranks = replicate * dp
+            if replicate > 1 and (dp * tp) % gpus_per_node:
+                continue  # HSDP shards within whole nodes and replicates across them (module doc)
             if global_batch % ranks:
                 rejected.append((f"{replicate}x{dp}x{tp}" if replicate > 1 else f"{dp}x{tp}",
                                  f"global batch {global_batch} does not split over {ranks} data-parallel ranks"))
@@ -181,13 +189,19 @@ def memory_bound(cfg: JobConfig, params: int) -> dict[str, float]:
     head = m.dim // m.n_heads
     q, kv = m.n_heads * head, (m.n_kv_heads or m.n_heads) * head
     s = p.tp if p.sequence_parallel else 1
-    k = {"full": 0, "none": 3 * f / p.tp, "selective": (2 * q + 2 * kv + 2 * f) / p.tp}[t.activation_checkpointing]
-    acts = m.n_layers * cfg.micro_batch * cfg.data.seq_len * a * (d / s + k)
+    k = {"full": 0, "none": (q + 2 * kv + 3 * f) / p.tp,
+         "selective": (2 * q + 2 * kv + 2 * f) / p.tp + 2 * d}[t.activation_checkpointing]
+    tokens = cfg.micro_batch * cfg.data.seq_len
+    acts = m.n_layers * tokens * a * (d / s + k)
+    if p.loss_parallel and p.tp > 1:
+        logits = tokens * m.vocab_size * a / p.tp
+    else:
+        logits = 2 * tokens * m.vocab_size * (2 if p.loss_parallel and a == 2 else 4)
     acc = 0.0
     if cfg.accum_steps > 1:
         acc = 4 * params / (p.tp if t.grad_sync == "last" else shards)
-    total = max(states, 12 * params / shards + acts + acc)
-    return {"states": states, "activations": acts, "accumulators": acc, "bound": total}
+    total = max(states, 12 * params / shards + acts + logits + acc)
+    return {"states": states, "activations": acts, "logits": logits, "accumulators": acc, "bound": total}
 
 
 # ----------------------------------------------------------------------------- dry runs
@@ -236,6 +250,14 @@ def extrapolate(one: dict, two: dict, layers: int) -> dict:
     """The figures at ``layers`` blocks from those at :data:`DEPTHS` (module doc)."""
     out = {k: _affine(one[k], two[k], layers - DEPTHS[1]) for k in _EXACT + ("compute_s", "roofline_ops")}
     out["coordinate"], out["axis_ranks"] = two["coordinate"], two["axis_ranks"]
+    # The peak is the largest of several moments, each affine in the depth; the one that
+    # is largest at 2 and 3 blocks need not be at L (the optimizer step's parameters,
+    # gradients and AdamW state grow faster than one micro-batch's activations): the
+    # largest of the phases' extrapolated peaks. The breakdown is then unknown (None).
+    phases = _affine(one["phase_peak"], two["phase_peak"], layers - DEPTHS[1])
+    top = max(phases.values())
+    if top > out["peak"]:
+        out["peak"], out["peak_breakdown"] = top, None
     return out
 
 
@@ -274,21 +296,23 @@ def search(cfg: JobConfig, world: int, gpu_name: str, gpus_per_node: int, global
     params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)
     del model
     choices, rejected = candidates(cfg, world, gpus_per_node, global_batch)
-    survivors, configs = [], {}
+    survivors, configs, bounds = [], {}, {}
     for c in choices:
         full = configure(cfg, c, global_batch)
         b = memory_bound(full, params)
         if b["bound"] > gpu.hbm_bytes:
             rejected.append((c.label(), f"bound {b['bound'] / GiB:.1f} GiB > {gpu.hbm_bytes / GiB:.1f} GiB "
                                         f"(states {b['states'] / GiB:.1f}, activations {b['activations'] / GiB:.1f}, "
-                                        f"accumulators {b['accumulators'] / GiB:.1f})"))
+                                        f"logits {b['logits'] / GiB:.1f}, accumulators "
+                                        f"{b['accumulators'] / GiB:.1f})"))
             continue
         survivors.append(c)
         configs[c] = full
+        bounds[c] = b["bound"]
     say(f"{len(choices)} candidates, {len(choices) - len(survivors)} over the memory bound; the other "
         f"{len(survivors)} dry-run at {DEPTHS} blocks unless a faster one fits")
     depth = cfg.model.n_layers
-    results, ranked, fitting = {}, [], []
+    results, ranked, fitting, violations = {}, [], [], []
     # Waves: a candidate is dry-run once every candidate that dominates it has been, and
     # only if none of those fits (``dominates`` is transitive, so checking the ones that
     # fit suffices); the rest are reported with the one that is never slower.
@@ -318,6 +342,8 @@ def search(cfg: JobConfig, world: int, gpu_name: str, gpus_per_node: int, global
                     rejected.append((c.label(), err1 or err2))
                     continue
                 measured = extrapolate(one, two, depth)
+                if measured["peak"] < bounds[c]:  # the bound must be a lower bound: say so if not
+                    violations.append({"label": c.label(), "bound": bounds[c], "peak": measured["peak"]})
                 row = _row(c, configs[c], measured, world, gpus_per_node, gpu, flops_per_token)
                 if not row["estimate"]["fits"]:
                     rejected.append((c.label(), f"dry-run peak {measured['peak'] / GiB:.1f} GiB > "
@@ -336,7 +362,8 @@ def search(cfg: JobConfig, world: int, gpu_name: str, gpus_per_node: int, global
     report = {"world_size": world, "gpu": gpu_name, "gpu_figures": vars(gpu), "gpus_per_node": gpus_per_node,
               "global_batch": global_batch, "seq_len": cfg.data.seq_len, "model_params": params,
               "n_layers": depth, "candidates": len(choices), "dry_runs": len(results), "dry_run_cpu_s": dry_s,
-              "ranked": ranked, "rejected": [{"label": label, "reason": why} for label, why in rejected]}
+              "ranked": ranked, "rejected": [{"label": label, "reason": why} for label, why in rejected],
+              "bound_violations": violations}
     if ranked:
         top = ranked[0]
         choice = Choice(**top["choice"])
@@ -408,6 +435,9 @@ def format_search(report: dict, config: str, limit: int = 20) -> str:
             dominated[better] = dominated.get(better, 0) + 1
         else:
             shown.append(r)
+    for v in report["bound_violations"]:
+        lines.append(f"  WARNING: {v['label']}: dry-run peak {v['peak']} bytes below the memory bound {v['bound']:.0f}: "
+                     f"the bound is wrong for it, and what it pruned may fit")
     lines.append(f"  rejected ({len(shown)}):")
     lines += [f"    {r['label']:<28} {r['reason']}" for r in shown]
     if dominated:

@@ -1,5 +1,5 @@
 """``fsdp2d plan --search`` against direct dry runs of every candidate (tests/plan_small.toml
-at 5 blocks on 2 ranks, so the search's 2- and 3-block dry runs are extrapolated), on a
+at 5 blocks on 2 ranks of one 2-GPU node, so the search's 2- and 3-block dry runs are extrapolated), on a
 GPU made small enough that some candidates fail the bound, some the dry run."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def searched():
     """Every candidate dry-run directly at full depth, then the search on a GPU whose
     memory lies between the candidates' peaks."""
     base = load_config(CONFIG, OVERRIDES)
-    choices, rejected = S.candidates(base, WORLD, 8, BATCH)
-    assert len(choices) == 15 and rejected == []  # tp 1, 2 (the world); replicate 1, 2; 3 modes; mb 1, 2
+    choices, rejected = S.candidates(base, WORLD, WORLD, BATCH)
+    assert len(choices) == 12 and rejected == []  # tp 1 (dp 2), 2 (dp 1; mb 1, 2); 3 modes; 2 grad_syncs
     configs = {c: S.configure(base, c, BATCH) for c in choices}
     with multiprocessing.get_context("fork").Pool(2) as pool:
         direct = dict(pool.map(_direct, list(configs.items())))
@@ -46,7 +46,7 @@ def searched():
     small = dataclasses.replace(GPUS["h100"], name="test GPU", hbm_bytes=peaks[len(peaks) // 2])
     GPUS["test"] = small
     try:
-        report = S.search(base, WORLD, "test", 8, BATCH)
+        report = S.search(base, WORLD, "test", WORLD, BATCH)
     finally:
         del GPUS["test"]
     from fsdp2d.models import Llama
@@ -92,9 +92,20 @@ def test_ranking_is_consistent_with_direct_dry_runs(searched):
         params = Llama(base.model.to_args()).num_params()
     for c in configs:
         assert S.memory_bound(configs[c], params)["bound"] <= direct[c]["peak"], c.label()
-    assert any(why.startswith("bound") for why in reasons.values())
     assert any(why.startswith("dry-run peak") for why in reasons.values())
     assert skipped
+
+
+def test_the_bound_prunes_before_any_dry_run():
+    """A GPU below every candidate's bound: all rejected by it, nothing dry-run."""
+    base = load_config(CONFIG, OVERRIDES)
+    GPUS["test"] = dataclasses.replace(GPUS["h100"], name="test GPU", hbm_bytes=2**19)
+    try:
+        report = S.search(base, WORLD, "test", WORLD, BATCH)
+    finally:
+        del GPUS["test"]
+    assert report["ranked"] == [] and report["dry_runs"] == 0 and "top" not in report
+    assert len(report["rejected"]) == 12 and all(r["reason"].startswith("bound ") for r in report["rejected"])
 
 
 def test_top_choice_equals_a_direct_plan(searched, tmp_path):
