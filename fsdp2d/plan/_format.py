@@ -23,7 +23,7 @@ def _header(r: dict, config: str) -> list[str]:
         f"  {m['name']} {r['model_params'] / 1e9:.2f}B parameters; global batch {t['global_batch']} x "
         f"{c['data']['seq_len']} tokens ({r['micro_batch']} per micro-batch x {r['accum_steps']} per rank; "
         f"{r['tokens_per_gpu_per_step']:.0f} tokens/GPU/step); mixed precision {t['mixed_precision']}; "
-        f"activation checkpointing {'on' if t['activation_checkpointing'] else 'off'}",
+        f"activation checkpointing {t['activation_checkpointing']}",
     ]
 
 

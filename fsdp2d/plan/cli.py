@@ -1,8 +1,9 @@
 """``fsdp2d plan``: will this job fit, and how fast will it be, before getting the GPUs.
 
     fsdp2d plan --config configs/llama3_70b_64gpu.toml --nodes 1024 --gpus-per-node 8 --gpu h100
-    fsdp2d plan --config CONFIG [--world-size W | --nodes N --gpus-per-node G] [--gpu h100|h200|a100]
-                [--rank R] [--json] [--section.key=value ...]
+    fsdp2d plan --config CONFIG [--config-overlay FILE] [--world-size W | --nodes N --gpus-per-node G]
+                [--gpu h100|h200|a100] [--rank R] [--json] [--section.key=value ...]
+    fsdp2d plan --search --config CONFIG --world-size W [--gpu ...] [--json] [--write-overlay FILE]
 
 Runs rank 0 and the last rank (or ``--rank R``) of the job with
 :func:`fsdp2d.plan.dry_run` (fake process group + ``FakeTensorMode``: the real mesh, TP
@@ -10,7 +11,8 @@ plan, ``fully_shard``, activation checkpointing and training step, no weights
 allocated), side by side in forked processes, one per CPU (a single rank, or a single
 CPU: in this process), then prints per rank the measured memory, padding and
 collectives per mesh axis, and the roofline estimate of :mod:`fsdp2d.plan.estimate` for
-the GPU.
+the GPU. ``--search`` ranks every configuration of the model on the world size instead
+(:mod:`fsdp2d.plan.search`).
 
 A world size other than the config's changes the FSDP degree (``parallel.dp``) and keeps
 the per-rank batch (``training.global_batch`` scales with the data-parallel ranks)
@@ -50,12 +52,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)} (default h100)")
     ap.add_argument("--rank", type=int, action="append", help="rank to run (repeatable; default 0 and the last)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--config-overlay", action="append", default=[], metavar="FILE",
+                    help="a partial config applied over --config (repeatable), e.g. from --write-overlay")
+    ap.add_argument("--search", action="store_true",
+                    help="rank every mesh / checkpointing / micro-batch for this model on the world size "
+                         "(see fsdp2d/plan/search.py)")
+    ap.add_argument("--write-overlay", metavar="FILE", help="with --search: write the top choice as a TOML "
+                                                            "overlay for --config-overlay")
     return ap
 
 
-def resolve(config: str, overrides: list[str], world: int | None) -> JobConfig:
+def resolve(config: str, overrides: list[str], world: int | None, overlays: list[str] = ()) -> JobConfig:
     """The config at ``world`` GPUs (see the module doc), validated."""
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, overlays)
     if world is not None and world != cfg.world_size:
         p = cfg.parallel
         other = p.hsdp_replicate * p.tp
@@ -136,11 +145,48 @@ def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_n
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, overrides = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+def _search(args: argparse.Namespace, overrides: list[str]) -> int:
+    from .search import format_search, overlay_toml, search, search_batch
+
     try:
         world = _world(args)
-        cfg = resolve(args.config, overrides, world)
+        cfg = load_config(args.config, overrides, args.config_overlay)
+        cfg.training.micro_batch = None  # the search sets it (a given one may not divide another batch)
+        validate(cfg)
+        world = cfg.world_size if world is None else world
+        if args.gpu not in GPUS:
+            raise ConfigError(f"--gpu {args.gpu!r} is not in the table: use one of {', '.join(GPUS)}")
+        if args.rank:
+            raise ConfigError("--search dry-runs rank 0 of each configuration: leave out --rank")
+        batch = search_batch(cfg, world, overrides)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    say = None if args.json else (lambda line: print(line, flush=True))
+    report = search(cfg, world, args.gpu, min(args.gpus_per_node, world), batch, say)
+    print(json.dumps(report) if args.json else format_search(report, args.config))
+    if args.write_overlay:
+        if "top" not in report:
+            print("no configuration fits: no overlay written", file=sys.stderr)
+            return 1
+        with open(args.write_overlay, "w") as f:
+            f.write(overlay_toml(report))
+        if not args.json:
+            print(f"wrote the top choice to {args.write_overlay}: fsdp2d train --config {args.config} "
+                  f"--config-overlay {args.write_overlay}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.search:
+        return _search(args, overrides)
+    if args.write_overlay:
+        print("config error: --write-overlay goes with --search", file=sys.stderr)
+        return 2
+    try:
+        world = _world(args)
+        cfg = resolve(args.config, overrides, world, args.config_overlay)
         world = cfg.world_size
         if args.gpu not in GPUS:
             raise ConfigError(f"--gpu {args.gpu!r} is not in the table: use one of {', '.join(GPUS)}")

@@ -26,32 +26,44 @@ from ..hf.launch import apply_init_from
 from .pretokenize import apply_pretokenize
 
 
-def _split(argv: list[str]) -> tuple[str | None, list[str]]:
-    config, rest, i = None, [], 0
+def _split(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
+    """(--config, the --section.key overrides, the --config-overlay files in order)."""
+    config, rest, overlays, i = None, [], [], 0
     while i < len(argv):
-        if argv[i] == "--config":
+        flag = argv[i].split("=", 1)[0]
+        if argv[i] in ("--config", "--config-overlay"):
             if i + 1 == len(argv) or argv[i + 1].startswith("--"):
-                raise ConfigError("--config needs a file: --config FILE.toml (presets are in configs/)")
-            config, i = argv[i + 1], i + 2
-        elif argv[i].startswith("--config="):
-            config, i = argv[i].split("=", 1)[1], i + 1
+                raise ConfigError(f"{argv[i]} needs a file: {argv[i]} FILE.toml (presets are in configs/)")
+            if argv[i] == "--config":
+                config = argv[i + 1]
+            else:
+                overlays.append(argv[i + 1])
+            i += 2
+        elif flag in ("--config", "--config-overlay"):
+            value = argv[i].split("=", 1)[1]
+            if flag == "--config":
+                config = value
+            else:
+                overlays.append(value)
+            i += 1
         elif argv[i] in ("--resume", "--overwrite"):
             rest.append(f"--checkpoint.{argv[i][2:]}=true")
             i += 1
         else:
             rest.append(argv[i])
             i += 1
-    return config, rest
+    return config, rest, overlays
 
 
 def train(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        print("usage: fsdp2d train --config FILE.toml [--resume | --overwrite] [--section.key=value ...]\n")
+        print("usage: fsdp2d train --config FILE.toml [--config-overlay FILE.toml ...] [--resume | --overwrite] "
+              "[--section.key=value ...]\n")
         print(help_text())
         return 0
     try:
-        config, overrides = _split(argv)
-        cfg = apply_init_from(load_config(config, overrides))
+        config, overrides, overlays = _split(argv)
+        cfg = apply_init_from(load_config(config, overrides, overlays))
         apply_pretokenize(cfg, may_work="LOCAL_RANK" not in os.environ)
         if "LOCAL_RANK" not in os.environ:  # not under torchrun: launch ourselves
             validate(cfg)

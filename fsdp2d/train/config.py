@@ -225,8 +225,15 @@ class TrainingConfig:
     mixed_precision: Literal["none", "bf16"] = "none"
     """``bf16``: bf16 parameters/activations in compute, fp32 master weights and
     gradient reduction; ``none``: fp32 throughout."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in backward to save memory."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Per transformer block: ``none`` keeps every activation for backward; ``full``
+    keeps only the block's input and recomputes its whole forward in backward;
+    ``selective`` keeps the outputs of the matmuls (``aten.mm``/``addmm``/``bmm``) and
+    of attention (``aten._scaled_dot_product_*_attention``) and recomputes the rest
+    (norms, RoPE, SwiGLU's activation, residual adds, TP collectives): torchtitan's per-op
+    policy, except that it keeps every matmul where torchtitan keeps every other one
+    (see ``fsdp2d.train.trainer.SAVED_OPS``). Older configs' booleans still load:
+    ``true`` = ``full``, ``false`` = ``none``."""
     seed: int = 0
     """Seed of weight initialisation (identical on every rank)."""
     eval_every: int = 100
@@ -424,6 +431,18 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, vars(sys.modules[__name__]))
 
 
+def _legacy(name: str, value: Any) -> Any:
+    """Values of an older form of a field, in the current one: the boolean
+    ``training.activation_checkpointing`` (``true`` = ``"full"``, ``false`` = ``"none"``)."""
+    if name == "training.activation_checkpointing":
+        text = value.lower() if isinstance(value, str) else None
+        if value is True or text in _TRUE:
+            return "full"
+        if value is False or text in _FALSE:
+            return "none"
+    return value
+
+
 def _set(cfg: JobConfig, name: str, value: Any, where: str, cli: bool = False) -> None:
     section, _, key = name.partition(".")
     if section not in SECTIONS or not key:
@@ -431,6 +450,7 @@ def _set(cfg: JobConfig, name: str, value: Any, where: str, cli: bool = False) -
     hints = _hints(SECTIONS[section])
     if key not in hints:
         raise _unknown(name, where)
+    value = _legacy(name, value)
     setattr(getattr(cfg, section), key, _coerce(value, hints[key], name, cli))
 
 
@@ -467,8 +487,10 @@ def _parse_overrides(args: Sequence[str]) -> list[tuple[str, str, str]]:
 
 
 def load_config(path: str | os.PathLike[str] | None = None,
-                overrides: Sequence[str] = ()) -> JobConfig:
-    """Defaults, then the TOML (or JSON) file at ``path``, then CLI ``overrides``.
+                overrides: Sequence[str] = (), overlays: Sequence[str | os.PathLike[str]] = ()) -> JobConfig:
+    """Defaults, then the TOML (or JSON) file at ``path``, then each file of ``overlays``
+    in order (``--config-overlay FILE``: a partial config of the same form, e.g. the one
+    ``fsdp2d plan --search --write-overlay`` writes), then CLI ``overrides``.
 
     ``overrides`` are ``--section.key=value`` strings (``--section.key value`` and a bare
     ``--flag`` meaning true also work); values are parsed by the field's type. An empty
@@ -477,8 +499,8 @@ def load_config(path: str | os.PathLike[str] | None = None,
     :func:`validate` next for the cross-field rules.
     """
     cfg = JobConfig()
-    if path is not None:
-        p = Path(path)
+    for file in ([path] if path is not None else []) + list(overlays):
+        p = Path(file)
         try:
             text = p.read_text()
         except FileNotFoundError:

@@ -31,6 +31,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as recompute
 
 import fsdp2d
@@ -75,9 +76,9 @@ def parallelize_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh) -> torch.nn.Modul
         fsdp2d.parallelize_module(model, mesh["tp"], make_plan(sequence_parallel=p.sequence_parallel,
                                                                loss_parallel=p.loss_parallel))
     blocks = list(model.layers if cfg.model.name == "llama" else model.h)
-    if cfg.training.activation_checkpointing:
+    if cfg.training.activation_checkpointing != "none":
         for block in blocks:
-            _checkpoint_activations(block)
+            _checkpoint_activations(block, cfg.training.activation_checkpointing)
     dp_axes = tuple(n for n in cfg.mesh_dim_names if n != "tp")
     bf16 = cfg.training.mixed_precision == "bf16"
     mp = fsdp2d.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
@@ -88,12 +89,35 @@ def parallelize_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh) -> torch.nn.Modul
     return model
 
 
-def _checkpoint_activations(block: torch.nn.Module) -> None:
-    """Recompute ``block``'s forward in backward instead of keeping its activations."""
+_aten = torch.ops.aten
+SAVED_OPS = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+"""The ops whose outputs selective activation checkpointing keeps for backward: the
+matmuls and attention (the FLOPs); everything else in a block is recomputed."""
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpointing's per-op policy (see :data:`SAVED_OPS`)."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def _checkpoint_activations(block: torch.nn.Module, mode: str = "full") -> None:
+    """Recompute ``block``'s forward in backward instead of keeping its activations:
+    all of it (``full``), or all but the outputs of :data:`SAVED_OPS` (``selective``)."""
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing mode {mode!r}: use 'full' or 'selective' ('none': do not call)")
     inner = block.forward
+    extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
 
     def forward(*args, **kwargs):
-        return recompute(inner, *args, use_reentrant=False, **kwargs)
+        return recompute(inner, *args, use_reentrant=False, **extra, **kwargs)
 
     block.forward = forward
 

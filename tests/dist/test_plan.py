@@ -154,3 +154,23 @@ def test_dry_run_steps_the_shards_as_dtensor_would(device):
     cfg = resolve(str(CONFIG), [f"--parallel.device={device}"], None)
     for rank in (0, 3):
         assert dry_run(cfg, 4, rank) == dry_run(cfg, 4, rank, shard_optimizer=False), rank
+
+
+def test_selective_checkpointing_dry_run_matches_a_real_run(pool):
+    """``fsdp2d plan`` dry-runs the job's checkpointing mode: under ``selective`` its
+    memory is the real run's (within 10%, as above) with the same collectives, and lies
+    between ``none``'s and ``full``'s; its FLOPs are ``none``'s (no matmul recomputed)."""
+    from fsdp2d.plan._dryrun import dry_run
+    from fsdp2d.plan.cli import resolve
+
+    modes = ("none", "selective", "full")
+    cfgs = {m: resolve(str(CONFIG), [f"--training.activation_checkpointing={m}"], None) for m in modes}
+    real = pool.run(job_real_step, str(CONFIG), ("--training.activation_checkpointing=selective",))
+    for rank in (0, 3):
+        plan = {m: dry_run(cfgs[m], 4, rank) for m in modes}
+        got = plan["selective"]
+        for key in ("peak", "parameters", "gradients", "optimizer"):
+            assert abs(got[key] - real[rank][key]) <= 0.10 * real[rank][key], (key, got[key], real[rank][key])
+        assert {k: list(v) for k, v in got["collectives"].items()} == real[rank]["collectives"]
+        assert plan["none"]["peak"] > got["peak"] > plan["full"]["peak"]
+        assert plan["none"]["flops"] == got["flops"] < plan["full"]["flops"]

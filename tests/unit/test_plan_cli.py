@@ -47,3 +47,8 @@ def test_header_is_printed_before_the_dry_runs(capsys, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         main(["--config", CONFIG])
     assert seen and seen[0].startswith("fsdp2d plan: ") and "parameters" in seen[0], seen
+
+
+def test_write_overlay_needs_search(capsys):
+    assert main(["--config", CONFIG, "--write-overlay", "top.toml"]) == 2
+    assert "--write-overlay goes with --search" in capsys.readouterr().err

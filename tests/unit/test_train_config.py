@@ -55,7 +55,7 @@ def test_overrides_parse_by_field_type(tmp_path):
     ])
     assert cfg.training.steps == 12  # the override beats the file
     assert cfg.optim.lr == 3e-4 and cfg.parallel.loss_parallel is True
-    assert cfg.training.activation_checkpointing is True and cfg.checkpoint.resume is False
+    assert cfg.training.activation_checkpointing == "full" and cfg.checkpoint.resume is False
     assert cfg.optim.betas == (0.5, 0.6) and cfg.model.name == "gpt2"
     assert cfg.model.n_kv_heads is None and cfg.training.micro_batch == 4
     assert cfg.metrics.run_name == "abc" and cfg.metrics.peak_flops == 1e12
@@ -184,7 +184,7 @@ def test_presets_are_what_they_say():
     assert debug.data.path == "stdlib" and debug.model.vocab_size == 256
     big = load_config(CONFIGS / "llama3_70b_64gpu.toml", [])
     assert big.mesh_shape == (8, 8) and big.parallel.sequence_parallel
-    assert big.training.mixed_precision == "bf16" and big.training.activation_checkpointing
+    assert big.training.mixed_precision == "bf16" and big.training.activation_checkpointing == "full"
     assert big.model.to_args().ffn_hidden_dim == 28672  # Llama 3 70B's published size
     eight = load_config(CONFIGS / "llama3_8b_8gpu.toml", [])
     assert eight.mesh_shape == (8, 1) and eight.model.to_args().ffn_hidden_dim == 14336
@@ -227,3 +227,35 @@ def test_gpt2_args_and_help():
         for f in dataclasses.fields(cls):
             assert f"--{section}.{f.name} (" in text
     assert "Python's own standard-library" in text
+
+
+@pytest.mark.parametrize("text, mode", [("true", "full"), ("false", "none"), ('"selective"', "selective"),
+                                        ('"none"', "none"), ('"full"', "full")])
+def test_activation_checkpointing_modes_and_old_booleans(tmp_path, text, mode):
+    """``training.activation_checkpointing`` is none/selective/full; the boolean of older
+    configs still loads (true = full, false = none), from TOML and the command line."""
+    p = _write(tmp_path, f"[training]\nactivation_checkpointing = {text}\n")
+    assert load_config(p, []).training.activation_checkpointing == mode
+    cli = text.strip('"')
+    assert load_config(None, [f"--training.activation_checkpointing={cli}"]).training.activation_checkpointing == mode
+    with pytest.raises(ConfigError, match="selective"):
+        load_config(None, ["--training.activation_checkpointing=some"])
+
+
+def test_config_overlays_apply_in_order(tmp_path):
+    """``--config-overlay FILE`` (``fsdp2d plan --search --write-overlay``'s output): over
+    the config, in order, under the command line's overrides; fsdp2d train takes it."""
+    from fsdp2d.train.cli import _split
+
+    base = _write(tmp_path, "[training]\nsteps = 7\nglobal_batch = 16\n[parallel]\ndp = 2\n")
+    one, two = tmp_path / "one.toml", tmp_path / "two.toml"
+    one.write_text("[parallel]\ndp = 4\ntp = 2\n[training]\nactivation_checkpointing = \"selective\"\n")
+    two.write_text("[parallel]\ntp = 1\n")
+    cfg = load_config(base, ["--training.steps=9"], [one, two])
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.training.steps, cfg.training.global_batch) == (4, 1, 9, 16)
+    assert cfg.training.activation_checkpointing == "selective"
+    argv = ["--config", str(base), "--config-overlay", str(one), f"--config-overlay={two}", "--training.steps=9"]
+    assert _split(argv) == (str(base), ["--training.steps=9"], [str(one), str(two)])
+    with pytest.raises(ConfigError, match="unknown config key 'parallel.dpp'"):
+        two.write_text("[parallel]\ndpp = 1\n")
+        load_config(base, [], [two])
