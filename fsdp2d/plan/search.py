@@ -214,7 +214,7 @@ def _dry(task: tuple) -> tuple:
     key, cfg, world, gpu = task
     t0 = time.perf_counter()
     try:
-        measured = dry_run(cfg, world, 0)
+        measured = dry_run(cfg, world, 0, compare_modes=False)  # each mode is a candidate of its own
     except Exception as exc:  # reported as the candidate's rejection, with its type
         return key, None, f"dry run failed: {type(exc).__name__}: {exc}", time.perf_counter() - t0
     ops = measured.pop("ops")
