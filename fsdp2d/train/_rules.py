@@ -1,0 +1,122 @@
+"""The launcher's cross-field rules: each check reads a :class:`~fsdp2d.train.config.JobConfig`
+and appends what is wrong, with how to fix it, to ``errors``;
+:func:`fsdp2d.train.config.validate` runs them and raises one ``ConfigError`` listing all.
+Pure functions of the config (no import of it: ``config`` imports this module)."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["check_ranges", "check_mesh", "check_model", "check_batch"]
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_ranges(cfg: "JobConfig", errors: list[str]) -> None:
+    """Per-field bounds: (value, ok, what it must be)."""
+    m, p, d, o, t, c = cfg.model, cfg.parallel, cfg.data, cfg.optim, cfg.training, cfg.checkpoint
+    rules = [
+        # Upper bounds far above any released model (405B: dim 16384, 126 layers) and far
+        # below sizes whose meta model alone would take minutes to build (plan, train).
+        ("model.dim", m.dim, 1 <= m.dim <= 2**18, f"in [1, {2**18}]"),
+        ("model.n_layers", m.n_layers, 1 <= m.n_layers <= 4096, "in [1, 4096]"),
+        ("model.n_heads", m.n_heads, 1 <= m.n_heads <= 2**14, f"in [1, {2**14}]"),
+        ("model.vocab_size", m.vocab_size, 1 <= m.vocab_size <= 2**24, f"in [1, {2**24}]"),
+        ("model.max_seq_len", m.max_seq_len, 1 <= m.max_seq_len <= 2**24, f"in [1, {2**24}]"),
+        ("parallel.dp", p.dp, p.dp >= 1, ">= 1"),
+        ("parallel.tp", p.tp, p.tp >= 1, ">= 1"),
+        ("parallel.hsdp_replicate", p.hsdp_replicate, p.hsdp_replicate >= 1, ">= 1"),
+        ("data.seq_len", d.seq_len, d.seq_len >= 1, ">= 1"),
+        ("data.eval_fraction", d.eval_fraction, 0.0 <= d.eval_fraction < 1.0, "in [0, 1)"),
+        ("optim.lr", o.lr, o.lr > 0, "> 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("optim.betas", o.betas, all(0.0 <= b < 1.0 for b in o.betas), "each in [0, 1)"),
+        ("optim.eps", o.eps, o.eps > 0, "> 0"),
+        ("optim.min_lr_ratio", o.min_lr_ratio, 0.0 <= o.min_lr_ratio <= 1.0, "in [0, 1]"),
+        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+        ("training.steps", t.steps, t.steps >= 1, ">= 1"),
+        ("training.global_batch", t.global_batch, t.global_batch >= 1, ">= 1"),
+        ("training.micro_batch", t.micro_batch, t.micro_batch is None or t.micro_batch >= 1,
+         ">= 1 (or none)"),
+        ("training.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0 = never)"),
+        ("training.eval_steps", t.eval_steps, t.eval_steps >= 1, ">= 1"),
+        ("training.log_every", t.log_every, t.log_every >= 1, ">= 1"),
+        ("checkpoint.every", c.every, c.every >= 0, ">= 0 (0 = never)"),
+        ("checkpoint.keep_last", c.keep_last, c.keep_last >= 0, ">= 0 (0 = keep all)"),
+    ]
+    if m.n_kv_heads is not None:
+        rules.append(("model.n_kv_heads", m.n_kv_heads, m.n_kv_heads >= 1, ">= 1 (or none)"))
+    if p.nproc is not None:
+        rules.append(("parallel.nproc", p.nproc, p.nproc >= 1, ">= 1 (or none)"))
+    if cfg.metrics.peak_flops is not None:
+        rules.append(("metrics.peak_flops", cfg.metrics.peak_flops, cfg.metrics.peak_flops > 0,
+                      "> 0 (or none)"))
+    errors.extend(f"{name}={value} must be {need}" for name, value, ok, need in rules if not ok)
+
+
+def check_mesh(cfg: "JobConfig", world_size: int | None, errors: list[str]) -> None:
+    p = cfg.parallel
+    mesh = f"hsdp_replicate * dp * tp = {p.hsdp_replicate} * {p.dp} * {p.tp} = {cfg.world_size}"
+    if p.nproc is not None and p.nproc != cfg.world_size:
+        errors.append(f"parallel.nproc={p.nproc} but the mesh needs {mesh} processes: "
+                      f"set parallel.nproc={cfg.world_size} (or none) or change the mesh")
+    if world_size is None or world_size == cfg.world_size:
+        return
+    other = p.hsdp_replicate * p.tp
+    fix = (f"set parallel.dp={world_size // other}" if world_size % other == 0 else
+           f"choose parallel.tp (and dp) whose product with hsdp_replicate is {world_size}")
+    errors.append(f"parallel mesh {mesh} does not match the world size {world_size}: "
+                  f"{fix}, or launch {cfg.world_size} processes")
+
+
+def check_model(cfg: "JobConfig", errors: list[str]) -> None:
+    m, tp = cfg.model, cfg.parallel.tp
+    kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
+    if min(m.dim, m.n_heads, kv, tp) < 1:
+        return  # reported by check_ranges
+    if m.dim % m.n_heads:
+        errors.append(f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads} "
+                      f"(head_dim = dim / n_heads)")
+    elif m.name == "llama" and (m.dim // m.n_heads) % 2:
+        errors.append(f"model head_dim = dim / n_heads = {m.dim // m.n_heads} must be even "
+                      f"for RoPE: change model.dim or model.n_heads")
+    if m.name == "gpt2" and kv != m.n_heads:
+        errors.append(f"model.n_kv_heads={kv}: gpt2 has no grouped-query attention; "
+                      f"remove it or set it to n_heads={m.n_heads}")
+    elif m.n_heads % kv:
+        errors.append(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={kv}")
+    for name, heads in (("n_heads", m.n_heads), ("n_kv_heads", kv)):
+        if heads % tp:
+            errors.append(f"parallel.tp={tp} must divide model.{name}={heads} (each TP rank "
+                          f"holds whole heads): use tp in {{{_divisors(math.gcd(m.n_heads, kv))}}}")
+    if cfg.data.format == "text" and cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
+        errors.append(f"model.vocab_size={m.vocab_size} is too small for the byte tokenizer: "
+                      f"set it to 256 or more")
+    if cfg.data.seq_len > m.max_seq_len:
+        errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
+                      f"lower data.seq_len or raise model.max_seq_len")
+    if cfg.parallel.sequence_parallel and cfg.data.seq_len % tp:
+        errors.append(f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp={tp} "
+                      f"under sequence_parallel (each TP rank holds seq_len / tp positions)")
+
+
+def check_batch(cfg: "JobConfig", errors: list[str]) -> None:
+    t, ranks = cfg.training, cfg.dp_degree
+    if t.global_batch < 1 or ranks < 1:
+        return
+    if t.global_batch % ranks:
+        lo = max(ranks, t.global_batch // ranks * ranks)
+        errors.append(f"training.global_batch={t.global_batch} does not split over {ranks} "
+                      f"data-parallel ranks (hsdp_replicate * dp): use a multiple of {ranks}, "
+                      f"e.g. {lo} or {lo + ranks}")
+        return
+    per_rank = t.global_batch // ranks
+    if t.micro_batch is not None and t.micro_batch >= 1 and per_rank % t.micro_batch:
+        errors.append(f"training.micro_batch={t.micro_batch} must divide the per-rank batch "
+                      f"{per_rank} (= global_batch / {ranks} data-parallel ranks): use one of "
+                      f"{{{_divisors(per_rank)}}}")
+    if t.eval_every > 0 and cfg.data.eval_fraction == 0:
+        errors.append("training.eval_every > 0 needs held-out data: set data.eval_fraction > 0 "
+                      "(e.g. 0.01) or training.eval_every=0")
