@@ -40,6 +40,9 @@ pid namespaces, e.g. containers sharing a network namespace, therefore fall back
 gloo, after a 20 s wait for connections that never pass the check). Links are not
 thread-safe: issue a group's exchanges from one thread at a time (the order contract
 needs that anyway).
+
+(Longer than the package's ~400-line aim on purpose: the ring, its tokens, the deferred
+ACKs and a link's lifetime form one invariant, which is checked by reading them together.)
 """
 
 from __future__ import annotations
