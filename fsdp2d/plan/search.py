@@ -227,6 +227,16 @@ def _dry(task: tuple) -> tuple:
     return key, measured, None, time.perf_counter() - t0
 
 
+def rank_key(row: dict) -> tuple:
+    """Faster first; ties go to less recomputation, then the larger micro-batch (what
+    ``dominates`` prefers: a candidate skipped for a never-slower one could otherwise win a
+    tie it never ran, e.g. full against none when FSDP communication bounds both), then
+    memory headroom."""
+    c = row["choice"]
+    return (-row["estimate"]["tokens_per_s_per_gpu"], MODES.index(c["checkpointing"]), -c["micro_batch"],
+            -row["headroom"])
+
+
 def dominates(a: Choice, b: Choice) -> bool:
     """Whether ``a`` is never slower than ``b`` under the roofline, by construction: the
     same mesh, a micro-batch at least as large (the same FLOPs; a weight read, an FSDP
@@ -288,6 +298,9 @@ def search(cfg: JobConfig, world: int, gpu_name: str, gpus_per_node: int, global
            progress=None) -> dict:
     """The ranked configurations of ``cfg``'s model on ``world`` GPUs (module doc); the
     JSON report. ``progress`` gets one line per stage."""
+    if cfg.model.name != "llama":  # memory_bound's activation terms are SwiGLU's (3 ffn tensors)
+        raise ConfigError(f"fsdp2d plan --search bounds memory for Llama models only (model.name="
+                          f"{cfg.model.name!r}): plan each configuration with fsdp2d plan instead")
     import torch
 
     from fsdp2d.models import GPT2, Llama
@@ -362,23 +375,30 @@ def search(cfg: JobConfig, world: int, gpu_name: str, gpus_per_node: int, global
             pool.join()
         gc.unfreeze()
     dry_s = sum(r[2] for r in results.values())
-    ranked.sort(key=lambda r: (-r["estimate"]["tokens_per_s_per_gpu"], -r["headroom"]))
+    ranked.sort(key=rank_key)
     report = {"world_size": world, "gpu": gpu_name, "gpu_figures": vars(gpu), "gpus_per_node": gpus_per_node,
               "global_batch": global_batch, "seq_len": cfg.data.seq_len, "model_params": params,
               "n_layers": depth, "candidates": len(choices), "dry_runs": len(results), "dry_run_cpu_s": dry_s,
               "ranked": ranked, "rejected": [{"label": label, "reason": why} for label, why in rejected],
               "bound_violations": violations}
-    if ranked:
-        top = ranked[0]
-        choice = Choice(**top["choice"])
+    while ranked:  # the top, dry-run at its full depth; one that does not fit there is not recommended
+        choice = Choice(**ranked[0]["choice"])
         say(f"top choice {choice.label()}: dry run at its full depth ({depth} blocks)")
         _, direct, err, seconds = _dry(((choice, depth), configs[choice], world, gpu))
         if err:
             raise RuntimeError(f"the top choice {choice.label()} failed its direct dry run: {err}")
         extrapolated = extrapolate(results[(choice, DEPTHS[0])][0], results[(choice, DEPTHS[1])][0], depth)
-        ranked[0] = _row(choice, configs[choice], direct, world, gpus_per_node, gpu, flops_per_token)
+        row = _row(choice, configs[choice], direct, world, gpus_per_node, gpu, flops_per_token)
+        if not row["estimate"]["fits"]:
+            ranked.pop(0)
+            report["rejected"].append({"label": choice.label(), "reason": (
+                f"direct dry run at full depth: peak {direct['peak'] / GiB:.1f} GiB > {gpu.hbm_bytes / GiB:.1f} GiB "
+                f"(extrapolated {extrapolated['peak'] / GiB:.1f})")})
+            continue
+        ranked[0] = row
         report["top"] = {"label": choice.label(), "overlay": choice.fields(global_batch, cfg),
                          "direct_dry_run_s": seconds, "differences": _differences(extrapolated, direct)}
+        break
     report["wall_s"] = time.perf_counter() - t0
     return report
 

@@ -13,7 +13,7 @@ import pytest
 
 from fsdp2d.plan import search as S
 from fsdp2d.plan.estimate import GPUS
-from fsdp2d.train.config import load_config
+from fsdp2d.train.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "tests" / "plan_small.toml")
@@ -74,7 +74,7 @@ def test_ranking_is_consistent_with_direct_dry_runs(searched):
     fitting = [c for c in configs if direct[c]["peak"] <= gpu.hbm_bytes]
     skipped = {by_label[label]: why for label, why in reasons.items() if why.startswith("not dry-run")}
     expected = sorted((c for c in fitting if c not in skipped),
-                      key=lambda c: (-rows[c]["estimate"]["tokens_per_s_per_gpu"], -rows[c]["headroom"]))
+                      key=lambda c: S.rank_key(rows[c]))
     assert ranked == expected
     # nothing that fits is lost: a skipped candidate is never faster than the one named
     for c, why in skipped.items():
@@ -125,3 +125,11 @@ def test_top_choice_equals_a_direct_plan(searched, tmp_path):
             assert got[key] == top["measured"][key], key
     assert {k: [v["count"], v["bytes"]] for k, v in got["collectives"].items()} == \
         {k: [v["count"], v["bytes"]] for k, v in top["collectives"].items()}
+
+
+def test_search_refuses_models_its_bound_does_not_cover():
+    """The memory bound's activation terms are Llama's (SwiGLU): a GPT-2 config is refused by name,
+    before anything is built, instead of pruning with a bound that may exceed the real peak."""
+    cfg = load_config(CONFIG, OVERRIDES + ["--model.name=gpt2", "--model.n_kv_heads=none"])
+    with pytest.raises(ConfigError, match="model.name='gpt2'"):
+        S.search(cfg, WORLD, "h100", WORLD, BATCH)
