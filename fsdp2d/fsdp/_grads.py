@@ -114,10 +114,16 @@ class GradReduction:
         asynchronously (True: still in flight; see ``_Context.post_backward``); otherwise
         finish it (False)."""
         if self._reduce is not None and not self._reduce[3]:
-            self._start_all_reduce()
+            self.start_pending_all_reduce()
             return True
         self.finish_reduce()
         return False
+
+    def start_pending_all_reduce(self) -> None:
+        """Start this group's replicate all-reduce if its reduce-scatter has not moved on
+        yet; never wait for one already running (``advance_reduce`` would finish it)."""
+        if self._reduce is not None and not self._reduce[3]:
+            self._start_all_reduce()
 
     def _start_all_reduce(self) -> None:
         # Asynchronous, as torch FSDP2 runs it on its own stream: a synchronous all-reduce

@@ -88,7 +88,7 @@ class _Context:
             if g.needs_reduce:  # groups whose every gradient did not arrive (unused params)
                 self.post_backward(g)
         for g in groups:  # HSDP: every pending all-reduce is started before any is waited for
-            g.advance_reduce()
+            g.start_pending_all_reduce()
         for g in groups:
             g.finish_reduce()
             # A gather still in flight here is one no hook of this backward waited for (a
