@@ -235,6 +235,10 @@ class FSDPParamGroup(GradReduction):
         if self._gather is None:
             return
         work, out = self._gather
+        # Dropped before waiting: a wait that raises (a peer's timeout or size mismatch)
+        # must not leave a spent handle that the next wait would take as done, marking
+        # uninitialised storage unsharded. The next unshard gathers again (or raises again).
+        self._gather = None
         if out is None:  # shared memory (see unshard): one copy op per rank's piece
             for p in self.params:
                 p.alloc_unsharded()
@@ -245,7 +249,6 @@ class FSDPParamGroup(GradReduction):
                     torch.split_with_sizes_copy(piece, sizes, out=[p.padded_row(j) for p in self.params])
 
             work.wait(copy_out)
-            self._gather = None
             self.unsharded = True
             return
         if work is not None:
@@ -256,7 +259,6 @@ class FSDPParamGroup(GradReduction):
         if self.params:  # one copy op for the whole group, into the padded unsharded storage
             torch.split_with_sizes_copy(gathered, [p.segment_numel for p in self.params], dim=1,
                                         out=[p.padded.view(self.k, -1) for p in self.params])
-        self._gather = None
         self.unsharded = True
 
     def reshard(self) -> None:
