@@ -15,3 +15,15 @@ from ._io import CheckpointError, load, read_index, save
 
 __all__ = ["save", "load", "get_model_state_dict", "CheckpointManager", "CheckpointError", "export", "inspect",
            "read_index"]
+
+
+def __getattr__(name: str):
+    if name == "export_hf":  # deprecated alias (PEP 562: fsdp2d.hf imports this package)
+        import warnings
+
+        from ..hf.export import export_hf
+
+        warnings.warn("fsdp2d.checkpoint.export_hf is deprecated: use fsdp2d.hf.export_hf", FutureWarning,
+                      stacklevel=2)
+        return export_hf
+    raise AttributeError(f"module 'fsdp2d.checkpoint' has no attribute {name!r}")

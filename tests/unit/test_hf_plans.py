@@ -52,3 +52,21 @@ def test_unknown_entries_are_named():
 def test_fused_output_cannot_be_gathered():
     with pytest.raises(ValueError, match="interleave"):
         ColwiseConv1D(fused=3, output_layouts=Replicate())
+
+
+def test_old_names_still_work_and_say_the_new_ones():
+    """fsdp2d.plans.from_hf and fsdp2d.checkpoint.export_hf moved to fsdp2d.hf this round: the old
+    names return the same answers, with a FutureWarning naming the new place."""
+    import fsdp2d.checkpoint
+    import fsdp2d.hf
+    import fsdp2d.plans
+
+    T = pytest.importorskip("transformers")
+    cfg = T.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=2, vocab_size=32)
+    model = T.LlamaForCausalLM(cfg)
+    with pytest.warns(FutureWarning, match="fsdp2d.hf.tp_plan"):
+        old = fsdp2d.plans.from_hf(model)
+    assert {k: type(v) for k, v in old.items()} == {k: type(v) for k, v in fsdp2d.hf.tp_plan(model).items()}
+    with pytest.warns(FutureWarning, match="fsdp2d.hf.export_hf"):
+        assert fsdp2d.checkpoint.export_hf is fsdp2d.hf.export_hf
