@@ -366,7 +366,6 @@ def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
     return x
 
 
-
 def all_reduce_start(x: torch.Tensor, group: Group) -> Any:
     """Start an in-place sum of contiguous ``x`` over the group and return a handle whose
     ``wait()`` completes it (on NCCL the wait makes the current stream wait, the host does
@@ -380,6 +379,7 @@ def all_reduce_start(x: torch.Tensor, group: Group) -> Any:
             x.copy_(y)
         return None
     return dist.all_reduce(x, group=group, async_op=True)
+
 
 def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """This rank's ``torch.chunk`` piece of ``x`` along ``dim`` (no communication)."""

@@ -114,7 +114,7 @@ class GradReduction:
         asynchronously (True: still in flight; see ``_Context.post_backward``); otherwise
         finish it (False)."""
         if self._reduce is not None and not self._reduce[3]:
-            self.start_pending_all_reduce()
+            self._start_all_reduce()
             return True
         self.finish_reduce()
         return False

@@ -303,13 +303,13 @@ def search(cfg: JobConfig, world: int, gpu_name: str, gpus_per_node: int, global
                           f"{cfg.model.name!r}): plan each configuration with fsdp2d plan instead")
     import torch
 
-    from fsdp2d.models import GPT2, Llama
+    from fsdp2d.models import Llama
 
     say = progress or (lambda line: None)
     t0 = time.perf_counter()
     gpu = GPUS[gpu_name]
     with torch.device("meta"):
-        model = Llama(cfg.model.to_args()) if cfg.model.name == "llama" else GPT2(cfg.model.to_args())
+        model = Llama(cfg.model.to_args())
     params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)
     del model
     choices, rejected = candidates(cfg, world, gpus_per_node, global_batch)
