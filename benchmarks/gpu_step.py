@@ -12,7 +12,10 @@ compute with fp32 reduction (``MixedPrecisionPolicy``, torchtitan's setting), fu
   dp = 32, at 4 and 8 layers to fit one GPU (``--layers``); the difference gives the
   per-layer figures (one more block, without the embedding and output's share).
 
-Per stack and configuration: GPU time per step (CUDA events), host time per step (the
+Per stack and configuration: GPU time per step (CUDA events around the step: the span on
+the stream, which includes the gaps where the GPU waits for the host to enqueue work),
+kernel time per step (the sum of the profiled step's kernel durations: the GPU's busy
+time; well below the span means the step is host-bound), host time per step (the
 Python thread, no synchronisation), peak memory (``torch.cuda.max_memory_allocated``),
 kernels by kind (``torch.profiler``: gemm / nccl / elementwise / copy / other; under
 the fake group NCCL kernels never launch, so the collectives issued are counted at
@@ -147,7 +150,9 @@ def train_step(model, opt, x, y) -> torch.Tensor:
 
 
 class _Timer:
-    """Host time per step always; GPU time per step with CUDA events (None on the CPU)."""
+    """Host time per step always; GPU time per step with CUDA events (None on the CPU).
+    The events bracket the step on the stream, so their span counts the GPU's idle gaps
+    too (a host-bound step shows host ms ~ GPU ms): the busy time is ``kernel_ms``."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -189,6 +194,12 @@ def profile_kernels(step: Callable[[], Any], device: torch.device) -> dict[str, 
             kind["count"] += 1
             kind["us"] += e.time_range.elapsed_us()
     return out
+
+
+def kernel_ms(kernels: dict[str, dict[str, float]]) -> float:
+    """The GPU's busy time in the profiled step: every kernel's duration, summed (kernels
+    on overlapping streams count twice; under the fake group no NCCL kernel runs)."""
+    return sum(k["us"] for k in kernels.values()) / 1e3
 
 
 def sync_check(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
@@ -248,6 +259,7 @@ def run_side(side: str, config: str, a: argparse.Namespace, device: torch.device
                "params_local": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                    for p in model.parameters())}
         out["kernels"] = profile_kernels(step, device)
+        out["kernel_ms"] = kernel_ms(out["kernels"]) if device.type == "cuda" else None
         out.update(sync_check(step, device))
         return out
     finally:
@@ -279,7 +291,7 @@ def per_layer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return None if lo[key] is None else (hi[key] - lo[key]) / n
 
         out.append({**hi, "layers": f"per layer ({lo['layers']}->{hi['layers']})", "gpu_ms": d("gpu_ms"),
-                    "host_ms": d("host_ms"), "peak_gib": d("peak_gib"),
+                    "kernel_ms": d("kernel_ms"), "host_ms": d("host_ms"), "peak_gib": d("peak_gib"),
                     "kernels": {k: {m: (hi["kernels"][k][m] - lo["kernels"][k][m]) / n for m in ("count", "us")}
                                 for k in KINDS},
                     "ops": {k: (hi["ops"][k] - lo["ops"][k]) / n for k in KINDS}})
@@ -287,18 +299,18 @@ def per_layer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| config | side | layers | GPU ms/step | host ms/step | peak GiB | kernels gemm/nccl/elem/copy/other"
+    lines = ["| config | side | layers | GPU ms/step (span) | kernel ms/step (busy) | host ms/step | peak GiB | kernels gemm/nccl/elem/copy/other"
              " | dispatched ops gemm/nccl/elem/copy/other | host reads | sync check |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | {r['side']} | - | error: {r['error'][:120]} |  |  |  |  |  |  |")
+            lines.append(f"| {r['config']} | {r['side']} | - | error: {r['error'][:120]} |  |  |  |  |  |  |  |")
             continue
         kern = "/".join(_fmt(r["kernels"][k]["count"], "g") for k in KINDS)
         ops = "/".join(_fmt(r.get("ops", {}).get(k), "g") for k in KINDS)
         sync = "ok" if r["sync_error"] is None else f"SYNC: {r['sync_error'][:80]}"
         lines.append(f"| {r['config']} | {r['side']} | {r['layers']} | {_fmt(r['gpu_ms'], '.2f')} | "
-                     f"{_fmt(r['host_ms'], '.2f')} | {_fmt(r['peak_gib'], '.2f')} | {kern} | {ops} | "
+                     f"{_fmt(r.get('kernel_ms'), '.2f')} | {_fmt(r['host_ms'], '.2f')} | {_fmt(r['peak_gib'], '.2f')} | {kern} | {ops} | "
                      f"{r['host_reads']} | {sync} |")
     return "\n".join(lines)
 

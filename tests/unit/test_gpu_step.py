@@ -39,6 +39,7 @@ def test_cpu_smoke_mode_runs_both_stacks_on_both_jobs(tmp_path):
     for r in rows:
         assert r["sync_error"] is None and r["host_reads"] == 0, r
         assert r["ops"]["gemm"] > 0 and r["ops"]["nccl"] > 0, r  # the step ran, collectives issued
+        assert r["kernel_ms"] is None, r  # not measured on the CPU
     fsdp8 = rows[0]
     # 2 blocks + root: forward 3 all-gathers, backward 2 (root kept), 3 reduce-scatters
     assert fsdp8["ops"]["nccl"] == 8, fsdp8["ops"]
@@ -46,6 +47,7 @@ def test_cpu_smoke_mode_runs_both_stacks_on_both_jobs(tmp_path):
     # TP's all-reduces (attention and MLP outputs in forward, their inputs in backward)
     assert rows[6]["ops"]["nccl"] == 3 + 4, rows[6]["ops"]
     assert f"| 70b-fsdp32-tp8 | torch | {per_layer} |" in run.stdout
+    assert "| kernel ms/step (busy) |" in run.stdout
 
 
 def test_kernel_kinds():
@@ -59,3 +61,12 @@ def test_kernel_kinds():
     assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "elementwise"
     assert kind("void at::native::(anonymous namespace)::fused_adam_kernel") == "elementwise"
     assert kind("aten.mm") == "gemm" and kind("c10d.allgather_") == "nccl" and kind("aten.add") == "elementwise"
+
+
+def test_kernel_ms_is_the_sum_of_kernel_durations():
+    # GPU busy time: the events' span also counts the gaps where a host-bound step
+    # leaves the GPU idle, so the table reports the kernels' own durations next to it
+    kernels = {"gemm": {"count": 3, "us": 1500.0}, "nccl": {"count": 0, "us": 0.0},
+               "elementwise": {"count": 5, "us": 250.0}, "copy": {"count": 2, "us": 40.0},
+               "other": {"count": 1, "us": 10.0}}
+    assert _module().kernel_ms(kernels) == 1.8
