@@ -10,9 +10,15 @@ and hands each sharded parameter a DTensor gradient whose local tensor is a view
 (averaged over the data-parallel ranks, in ``reduce_dtype``).
 
 Both collectives can be asynchronous (gloo and NCCL run them on their own threads or
-streams): ``unshard(async_op=True)`` returns at once and ``wait_unshard`` finishes it;
-reduce-scatters are waited on in ``finish_reduce`` (before the next one starts, and at
-the end of backward, before the optimizer can run).
+streams): ``unshard(async_op=True)`` returns at once and ``wait_unshard`` finishes it
+(over shared memory it copies every rank's piece straight out of where it lies, with no
+gathered buffer); reduce-scatters are waited on in ``finish_reduce`` (before the next one
+starts, and at the end of backward, before the optimizer can run). With a replicate axis
+(HSDP) the reduced shard is then all-reduced over it, asynchronously too
+(``advance_reduce`` starts it when the next group's reduce-scatter is issued, so it
+overlaps that group's backward; the end of backward starts every pending one before
+waiting for any). A wait that raises drops its handle first, so the next unshard
+gathers again rather than taking the spent handle as done.
 """
 
 from __future__ import annotations

@@ -65,3 +65,68 @@ def test_mismatched_sizes_raise_the_same_error_on_both_transports(pool):
             for err in r[2:4]:
                 assert err is not None and err[0] == "ValueError", (use_shm, rank, r)
                 assert "the ranks called the collective with different sizes" in err[1], (use_shm, rank, err)
+
+
+def job_failed_unshard_wait(use_shm: bool) -> dict:
+    """An all-gather whose wait raises (a peer timed out, sizes differed) must not leave
+    its spent handle behind: the next forward would take it as done and compute with
+    parameters that were never filled. Injected: the real gather completes (the group
+    stays in step), then its wait raises; a later wait of the spent handle would return
+    at once, as a real one does."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import fsdp2d
+    from fsdp2d import _collectives as C
+
+    C.USE_SHM = use_shm  # read at a group's first exchange: new_group below gives a fresh one
+    try:
+        torch.manual_seed(0)
+        mesh = fsdp2d.DeviceMesh.from_group(dist.new_group([0, 1, 2, 3]), "cpu", mesh_dim_names=("dp",))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+        ref = copy.deepcopy(model)
+        for m in (model[0], model[2]):
+            fsdp2d.fully_shard(m, mesh=mesh)
+        fsdp2d.fully_shard(model, mesh=mesh)
+        x = torch.randn(4, 8)  # the same batch on every rank: the averaged gradient is ref's
+        for net in (model, ref):  # one SGD step on both, so stale memory would hold old weights
+            opt = torch.optim.SGD(net.parameters(), lr=0.5)
+            net(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        group = model[2]._fsdp2d_fsdp.group
+
+        class FailsOnce:
+            def __init__(self, work):
+                self.work, self.spent = work, False
+
+            def wait(self, *consume):
+                if self.spent:  # a spent handle returns at once, bringing nothing
+                    return True
+                self.spent = True
+                self.work.wait()  # the gather itself completes on every rank (unread)
+                raise RuntimeError("injected: the gather's wait failed")
+
+        group.unshard(async_op=True)
+        work, out = group._gather
+        group._gather = (FailsOnce(work), out)
+        err = capture_error(group.wait_unshard)
+        state = {"gathering": group.gathering, "unsharded": group.unsharded}
+        with torch.no_grad():
+            got, want = model(x), ref(x)
+        return {"err": err, "state": state, "max_diff": float((got - want).abs().max()),
+                "scale": float(want.abs().max())}
+    finally:
+        C.USE_SHM = True
+
+
+def test_a_failed_unshard_wait_leaves_no_spent_handle(pool):
+    for use_shm in (True, False):
+        for r in pool.run(job_failed_unshard_wait, use_shm, timeout=60):
+            assert r["err"] == ("RuntimeError", "injected: the gather's wait failed"), r
+            assert r["state"] == {"gathering": False, "unsharded": False}, r
+            # the next forward gathered again: ref's output up to the dp sum's rounding of
+            # the averaged gradient (4 equal fp32 terms: at most a few ulps per weight)
+            assert r["max_diff"] <= 1e-6 * max(r["scale"], 1.0), r
