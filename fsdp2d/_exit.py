@@ -1,32 +1,108 @@
-"""Free fsdp2d's reference cycles before the interpreter's exit-time teardown.
+"""Leave the process quietly at exit: no gloo worker may need Python after it is gone.
 
-A model under ``fully_shard`` is a cycle (module -> hook -> FSDP state -> module), so
-when a script's ``main()`` returns, the model, and with it the process groups its
-parameters and FSDP groups refer to, stays alive until the garbage collector runs.
-Without a collection in between that is the interpreter's own teardown, and destructing
-gloo process groups there (their worker threads, the tensors their last works held)
-aborts the process now and then *after* training finished: "terminate called without an
-active exception", torchrun exit 1 (``examples/02_fully_shard_2d.py``: 1 run in 10; the
-benchmark, before ``fsdp2d train`` collected explicitly: 2 in ~25). ``dist.
-destroy_process_group()`` does not help: it unregisters the groups, but the model still
-holds them. One collection from an ``atexit`` handler, which runs while the interpreter
-is still whole, destructs them on the main thread like any other object.
+**The abort.** A script whose last call is a gloo collective (``all_gather_object``,
+``all_reduce`` of a loss, a barrier with tensors) now and then dies *after* its work is
+done: "terminate called without an active exception", SIGABRT, torchrun exit 1. A core
+dump of one (module-level script, ``all_gather_object`` last, 1 run in 12-30 on the 2-core
+dev machine, with or without ``dist.destroy_process_group()``) shows the main thread in
+``Py_FinalizeEx`` and a ``ProcessGroupGloo::runLoop`` worker destroying the finished
+work (``~AsyncAllgatherWork``): its tensors have Python objects, so dropping them takes
+the GIL, and a thread that asks for the GIL while the interpreter finalizes is made to
+exit (``PyThread_exit_thread``); the unwind crosses a ``noexcept`` C++ frame and
+``std::terminate`` aborts the process. The main thread's ``wait()`` returned when the
+work *completed*; the worker drops its reference a moment later, and nothing waits for
+that. ``destroy_process_group()`` does not: it unregisters the groups, whose worker
+threads live on while anything (a mesh, a model) holds them.
 
-Evidence: after ``examples/02``'s ``main()`` returns, its 3 FSDP groups (and the
-process groups they hold) are still alive and only a collection frees them; with this
-handler none is left when it has run. The abort itself did not recur here in 40 runs
-before the handler (machine less loaded than when it was reported), nor in 20 runs of
-each example after it.
+**What runs at exit** (``atexit``, while the interpreter is still whole, so other
+threads can still take the GIL):
+
+1. one garbage collection: a model under ``fully_shard`` is a cycle (module -> hook ->
+   FSDP state -> module) that would otherwise outlive ``main()`` into the teardown with
+   its process groups and their last tensors (the first suspect; not the cause above);
+2. the main thread lets go of the GIL, in pauses of 2 ms, until no other thread of the
+   process has run in two pauses in a row (``/proc/self/task/*/stat`` and
+   ``schedstat``: asleep at the look, and under 0.5 ms of CPU in the pause; at most
+   1 s, so a busy thread of the user's own costs at most that). A worker that is still
+   finishing, or that waits for the GIL to drop a work's tensors (asleep at a look, as
+   a thread waiting for the GIL is), runs in the pauses; an idle gloo worker sleeps on
+   its queue. ~5 ms at exit when all is quiet; off Linux (no ``/proc``) only step 1.
+
+This narrows the window to a worker that finishes a work after two quiet pauses: a
+collective left running (an ``async_op`` work never waited for) can still abort the
+exit. Tests: ``tests/unit/test_exit.py`` (the mechanism; the race itself is too rare
+for a test), and the repro's rate before and after in issue 20's note.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import os
+import threading
+import time
+
+_SETTLE_S = 1.0  # the most exit waits for other threads
+_PAUSE_S = 0.002  # the GIL is free this long between two looks
+_BUSY_NS = 500_000  # a thread that ran this long in a pause is still working (gloo's
+# transport loops wake every 10 ms for a few microseconds: idle)
 
 
-def _collect() -> None:
+def _threads() -> dict[int, tuple[str, int]] | None:
+    """Every other thread of this process: (state, CPU ns so far); None where ``/proc``
+    cannot tell."""
+    me = threading.get_native_id()
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return None
+    out = {}
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # the fields after "(comm)"
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    cpu_ns = int(f.read().split()[0])
+            except OSError:  # no schedstat: user + system clock ticks, coarser
+                cpu_ns = (int(fields[11]) + int(fields[12])) * 10_000_000
+        except (OSError, IndexError, ValueError):
+            continue  # it exited meanwhile
+        out[tid] = (fields[0], cpu_ns)
+    return out
+
+
+def _quiet(before: dict[int, tuple[str, int]], now: dict[int, tuple[str, int]]) -> bool:
+    """No thread runs or is runnable now, and none ran more than ``_BUSY_NS`` since
+    ``before`` (one that waits for the GIL is asleep at a look, but it runs in the pause)."""
+    for tid, (state, cpu) in now.items():
+        if state == "R" or tid not in before or cpu - before[tid][1] >= _BUSY_NS:
+            return False
+    return True
+
+
+def settle_threads(timeout_s: float = _SETTLE_S) -> bool:
+    """Release the GIL until no other thread has run in two pauses in a row (True), or
+    ``timeout_s`` passed (False). True at once where ``/proc`` cannot tell."""
+    deadline = time.monotonic() + timeout_s
+    before, quiet = _threads(), 0
+    if before is None:
+        return True
+    while quiet < 2:
+        time.sleep(_PAUSE_S)  # the GIL is free: a thread waiting for it runs now
+        now = _threads()
+        quiet = quiet + 1 if _quiet(before, now) else 0
+        before = now
+        if quiet < 2 and time.monotonic() > deadline:
+            return False
+    return True
+
+
+def _at_exit() -> None:
     gc.collect()
+    settle_threads()
 
 
-atexit.register(_collect)
+atexit.register(_at_exit)
