@@ -14,8 +14,9 @@ compute with fp32 reduction (``MixedPrecisionPolicy``, torchtitan's setting), fu
 
 Per stack and configuration: GPU time per step (CUDA events around the step: the span on
 the stream, which includes the gaps where the GPU waits for the host to enqueue work),
-kernel time per step (the sum of the profiled step's kernel durations: the GPU's busy
-time; well below the span means the step is host-bound), host time per step (the
+kernel time per step (the time during which at least one kernel of the profiled step
+ran, the union of their time ranges: the GPU's busy time; well below the span means the
+step is host-bound), host time per step (the
 Python thread, no synchronisation), peak memory (``torch.cuda.max_memory_allocated``),
 kernels by kind (``torch.profiler``: gemm / nccl / elementwise / copy / other; under
 the fake group NCCL kernels never launch, so the collectives issued are counted at
@@ -152,7 +153,7 @@ def train_step(model, opt, x, y) -> torch.Tensor:
 class _Timer:
     """Host time per step always; GPU time per step with CUDA events (None on the CPU).
     The events bracket the step on the stream, so their span counts the GPU's idle gaps
-    too (a host-bound step shows host ms ~ GPU ms): the busy time is ``kernel_ms``."""
+    too (a host-bound step shows host ms ~ GPU ms): the busy time is :func:`busy_ms`."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -178,8 +179,9 @@ class _Timer:
         return [s.elapsed_time(e) for s, e in self.events]
 
 
-def profile_kernels(step: Callable[[], Any], device: torch.device) -> dict[str, dict[str, float]]:
-    """One step under torch.profiler: device kernels by kind (count, total us)."""
+def profile_kernels(step: Callable[[], Any], device: torch.device) -> tuple[dict[str, dict[str, float]], float]:
+    """One step under torch.profiler: device kernels by kind (count, total us), and the
+    GPU's busy time in ms (:func:`busy_ms` of the kernels' time ranges)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -188,18 +190,28 @@ def profile_kernels(step: Callable[[], Any], device: torch.device) -> dict[str, 
         if device.type == "cuda":
             torch.cuda.synchronize()
     out = {k: {"count": 0, "us": 0.0} for k in KINDS}
+    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kind = out[kernel_kind(e.name)]
             kind["count"] += 1
             kind["us"] += e.time_range.elapsed_us()
-    return out
+            spans.append((e.time_range.start, e.time_range.end))
+    return out, busy_ms(spans)
 
 
-def kernel_ms(kernels: dict[str, dict[str, float]]) -> float:
-    """The GPU's busy time in the profiled step: every kernel's duration, summed (kernels
-    on overlapping streams count twice; under the fake group no NCCL kernel runs)."""
-    return sum(k["us"] for k in kernels.values()) / 1e3
+def busy_ms(spans: list[tuple[float, float]]) -> float:
+    """The time (us in, ms out) during which at least one kernel ran: the union of the
+    kernels' time ranges. Not their sum: torch's FSDP2 runs its copy-in, packing and
+    collectives on side streams, which overlap its compute (fsdp2d issues everything on
+    the current stream), so a sum would count torch's overlapped time twice."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total / 1e3
 
 
 def sync_check(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
@@ -258,8 +270,8 @@ def run_side(side: str, config: str, a: argparse.Namespace, device: torch.device
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                "params_local": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                    for p in model.parameters())}
-        out["kernels"] = profile_kernels(step, device)
-        out["kernel_ms"] = kernel_ms(out["kernels"]) if device.type == "cuda" else None
+        out["kernels"], busy = profile_kernels(step, device)
+        out["kernel_ms"] = busy if device.type == "cuda" else None
         out.update(sync_check(step, device))
         return out
     finally:

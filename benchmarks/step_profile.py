@@ -14,7 +14,10 @@ threads: gloo's too) for ``--steps`` steps and sorts the samples by what they ra
   libtorch, libc10, libtorch_python; libc: malloc and friends; kernel: system calls,
   scheduling, page faults; gloo: gloo's own code (torch's collectives run there).
 
-In ms per step per rank (samples / frequency / steps / ranks). ``--fake`` runs one
+``--impl plain`` profiles ``cpu_floor.py``'s plain local model instead (rank-local
+shapes, no fsdp2d, no communication) in the same 4 processes: the floor of this machine,
+with the 4 ranks' contention for the 2 cores included. In ms per step per rank (samples /
+frequency / steps / ranks). ``--fake`` runs one
 process on torch's ``fake`` backend instead (rank 0 of the same 2x2 layout;
 collectives move nothing): what is left is the step without communication, so the
 difference from the real run is what communication costs that rank in CPU.
@@ -127,7 +130,7 @@ class CommClock:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--impl", choices=("fsdp2d", "torch"), default="fsdp2d")
+    p.add_argument("--impl", choices=("fsdp2d", "torch", "plain"), default="fsdp2d")
     p.add_argument("--model", choices=("gpt2", "llama"), default="llama")
     p.add_argument("--size", choices=("small", "medium"), default="medium")
     p.add_argument("--steps", type=int, default=20)
@@ -142,13 +145,20 @@ def main() -> None:
         dist.init_process_group("gloo")
     mesh = fsdp2d.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     cfg = ct.CONFIGS[(a.model, a.size)]
-    model = ct.BUILDERS[a.impl](cfg, mesh)
+    local_vocab = None  # plain: cpu_floor's local model (no fsdp2d, no communication)
+    if a.impl == "plain":
+        from cpu_floor import plain_local
+        model, local_vocab = plain_local(cfg, mesh, tp_only=False), cfg.vocab // mesh["tp"].size()
+    else:
+        model = ct.BUILDERS[a.impl](cfg, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     dp_rank = mesh.get_local_rank("dp")
     clock = CommClock()
 
     def step(i: int) -> None:
         x, y = ct.batch_for(cfg, i, dp_rank, mesh["dp"].size())
+        if local_vocab is not None:  # the hook-less embedding and head hold local rows only
+            x, y = x % local_vocab, y % local_vocab
         ct.train_step(model, opt, x, y).item()
 
     for i in range(3):

@@ -22,15 +22,16 @@ threads can still take the GIL):
    its process groups and their last tensors (the first suspect; not the cause above);
 2. the main thread lets go of the GIL, in pauses of 2 ms, until no other thread of the
    process has run in two pauses in a row (``/proc/self/task/*/stat`` and
-   ``schedstat``: asleep at the look, and under 0.5 ms of CPU in the pause; at most
-   1 s, so a busy thread of the user's own costs at most that). A worker that is still
-   finishing, or that waits for the GIL to drop a work's tensors (asleep at a look, as
-   a thread waiting for the GIL is), runs in the pauses; an idle gloo worker sleeps on
-   its queue. ~5 ms at exit when all is quiet; off Linux (no ``/proc``) only step 1.
+   ``schedstat``: asleep at the look, and under 0.5 ms of CPU in the pause, which must
+   not have overrun; at most 1 s, so a busy thread of the user's own costs at most
+   that). A worker that is still finishing, or that waits for the GIL to drop a work's
+   tensors (asleep at a look, as a thread waiting for the GIL is), gets the GIL in the
+   pauses; an idle gloo worker sleeps on its queue. ~5-10 ms at exit when all is
+   quiet; off Linux (no ``/proc``) only step 1.
 
-This narrows the window to a worker that finishes a work after two quiet pauses: a
-collective left running (an ``async_op`` work never waited for) can still abort the
-exit. Tests: ``tests/unit/test_exit.py`` (the mechanism; the race itself is too rare
+This is a heuristic that narrows the window, not a proof: a worker woken for the GIL
+that gets no core in two pauses that did not overrun, or a collective left running (an
+``async_op`` work never waited for), can still abort the exit. Tests: ``tests/unit/test_exit.py`` (the mechanism; the race itself is too rare
 for a test), and the repro's rate before and after in issue 20's note.
 """
 
@@ -46,6 +47,7 @@ _SETTLE_S = 1.0  # the most exit waits for other threads
 _PAUSE_S = 0.002  # the GIL is free this long between two looks
 _BUSY_NS = 500_000  # a thread that ran this long in a pause is still working (gloo's
 # transport loops wake every 10 ms for a few microseconds: idle)
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _threads() -> dict[int, tuple[str, int]] | None:
@@ -67,7 +69,7 @@ def _threads() -> dict[int, tuple[str, int]] | None:
                 with open(f"/proc/self/task/{tid}/schedstat") as f:
                     cpu_ns = int(f.read().split()[0])
             except OSError:  # no schedstat: user + system clock ticks, coarser
-                cpu_ns = (int(fields[11]) + int(fields[12])) * 10_000_000
+                cpu_ns = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // _TICKS_PER_S
         except (OSError, IndexError, ValueError):
             continue  # it exited meanwhile
         out[tid] = (fields[0], cpu_ns)
@@ -75,25 +77,32 @@ def _threads() -> dict[int, tuple[str, int]] | None:
 
 
 def _quiet(before: dict[int, tuple[str, int]], now: dict[int, tuple[str, int]]) -> bool:
-    """No thread runs or is runnable now, and none ran more than ``_BUSY_NS`` since
-    ``before`` (one that waits for the GIL is asleep at a look, but it runs in the pause)."""
+    """No thread runs, is runnable or works in the kernel (``D``, e.g. unmapping a freed
+    tensor) now, and none ran ``_BUSY_NS`` or more since ``before`` (one that waits for
+    the GIL is asleep at a look, but it runs in the pause)."""
     for tid, (state, cpu) in now.items():
-        if state == "R" or tid not in before or cpu - before[tid][1] >= _BUSY_NS:
+        if state in "RD" or tid not in before or cpu - before[tid][1] >= _BUSY_NS:
             return False
     return True
 
 
 def settle_threads(timeout_s: float = _SETTLE_S) -> bool:
     """Release the GIL until no other thread has run in two pauses in a row (True), or
-    ``timeout_s`` passed (False). True at once where ``/proc`` cannot tell."""
+    ``timeout_s`` passed (False). True at once with no other thread, or where ``/proc``
+    cannot tell. A pause that overran (the machine is loaded: a thread woken for the
+    GIL may not have had a core yet) does not count as quiet."""
     deadline = time.monotonic() + timeout_s
     before, quiet = _threads(), 0
-    if before is None:
+    if not before:
         return True
     while quiet < 2:
+        t0 = time.monotonic()
         time.sleep(_PAUSE_S)  # the GIL is free: a thread waiting for it runs now
+        overran = time.monotonic() - t0 > 2 * _PAUSE_S
         now = _threads()
-        quiet = quiet + 1 if _quiet(before, now) else 0
+        if now is None:
+            return True
+        quiet = quiet + 1 if _quiet(before, now) and not overran else 0
         before = now
         if quiet < 2 and time.monotonic() > deadline:
             return False

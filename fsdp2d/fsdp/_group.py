@@ -14,11 +14,12 @@ streams): ``unshard(async_op=True)`` returns at once and ``wait_unshard`` finish
 (over shared memory it copies every rank's piece straight out of where it lies, with no
 gathered buffer); reduce-scatters are waited on in ``finish_reduce`` (before the next one
 starts, and at the end of backward, before the optimizer can run). With a replicate axis
-(HSDP) the reduced shard is then all-reduced over it, asynchronously too
-(``advance_reduce`` starts it when the next group's reduce-scatter is issued, so it
-overlaps that group's backward; the end of backward starts every pending one before
-waiting for any). A wait that raises drops its handle first, so the next unshard
-gathers again rather than taking the spent handle as done.
+(HSDP) the reduced shard is then all-reduced over it, asynchronously too: started by
+``advance_reduce`` when the next group's gradients are ready and finished when those of
+the group after that are, so it runs during that group's backward (the end of backward
+starts every pending one before waiting for any). ``wait_unshard`` and ``reshard`` drop the
+gather's handle before waiting on it: if the wait raises, the next unshard gathers again
+rather than taking the spent handle as done.
 """
 
 from __future__ import annotations
@@ -269,10 +270,9 @@ class FSDPParamGroup(GradReduction):
 
     def reshard(self) -> None:
         if self._gather is not None:  # finish the collective, drop what it brought
-            work = self._gather[0]
+            work, self._gather = self._gather[0], None  # first: see wait_unshard
             if work is not None:
                 work.wait()
-            self._gather = None
         for p in self.params:
             p.free_unsharded()
             p.register("sharded")

@@ -50,7 +50,7 @@ class _Context:
         if group.requires_sync and group.needs_reduce:
             # Every earlier reduction moves one stage on (FSDPParamGroup.advance_reduce): one
             # reduce-scatter stays in flight and, with HSDP, the previous group's replicate
-            # all-reduce too, which then overlaps this group's backward.
+            # all-reduce too, which then overlaps the next group's backward.
             self.in_flight = [g for g in self.in_flight if g is not group and g.advance_reduce()]
             group.reduce_grads()
             self.in_flight.append(group)

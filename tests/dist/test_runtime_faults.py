@@ -67,12 +67,14 @@ def test_mismatched_sizes_raise_the_same_error_on_both_transports(pool):
                 assert "the ranks called the collective with different sizes" in err[1], (use_shm, rank, err)
 
 
-def job_failed_unshard_wait(use_shm: bool) -> dict:
-    """An all-gather whose wait raises (a peer timed out, sizes differed) must not leave
-    its spent handle behind: the next forward would take it as done and compute with
+def job_failed_unshard_wait(use_shm: bool, via: str) -> dict:
+    """A gather whose wait raises (a peer timed out, sizes differed) must not leave its
+    spent handle behind: the next forward would take it as done and compute with
     parameters that were never filled. Injected: the real gather completes (the group
-    stays in step), then its wait raises; a later wait of the spent handle would return
-    at once, as a real one does."""
+    stays in step), then its wait raises; a later wait of the spent handle returns at
+    once, as a real one does, and (gloo's transport, where the gather fills a buffer)
+    the buffer is poisoned, as one never filled would be. ``via``: the wait that
+    raises is ``wait_unshard``'s, or ``reshard``'s (a prefetch dropped unused)."""
     import copy
 
     import torch
@@ -99,24 +101,26 @@ def job_failed_unshard_wait(use_shm: bool) -> dict:
         group = model[2]._fsdp2d_fsdp.group
 
         class FailsOnce:
-            def __init__(self, work):
-                self.work, self.spent = work, False
+            def __init__(self, work, out):
+                self.work, self.out, self.spent = work, out, False
 
             def wait(self, *consume):
                 if self.spent:  # a spent handle returns at once, bringing nothing
                     return True
                 self.spent = True
                 self.work.wait()  # the gather itself completes on every rank (unread)
+                if self.out is not None:
+                    self.out.fill_(float("nan"))
                 raise RuntimeError("injected: the gather's wait failed")
 
         group.unshard(async_op=True)
         work, out = group._gather
-        group._gather = (FailsOnce(work), out)
-        err = capture_error(group.wait_unshard)
+        group._gather = (FailsOnce(work, out), out)
+        err = capture_error(group.wait_unshard if via == "wait_unshard" else group.reshard)
         state = {"gathering": group.gathering, "unsharded": group.unsharded}
         with torch.no_grad():
             got, want = model(x), ref(x)
-        return {"err": err, "state": state, "max_diff": float((got - want).abs().max()),
+        return {"err": err, "state": state, "shm": out is None, "max_diff": float((got - want).abs().max()),
                 "scale": float(want.abs().max())}
     finally:
         C.USE_SHM = True
@@ -124,9 +128,11 @@ def job_failed_unshard_wait(use_shm: bool) -> dict:
 
 def test_a_failed_unshard_wait_leaves_no_spent_handle(pool):
     for use_shm in (True, False):
-        for r in pool.run(job_failed_unshard_wait, use_shm, timeout=60):
-            assert r["err"] == ("RuntimeError", "injected: the gather's wait failed"), r
-            assert r["state"] == {"gathering": False, "unsharded": False}, r
-            # the next forward gathered again: ref's output up to the dp sum's rounding of
-            # the averaged gradient (4 equal fp32 terms: at most a few ulps per weight)
-            assert r["max_diff"] <= 1e-6 * max(r["scale"], 1.0), r
+        for via in ("wait_unshard", "reshard"):
+            for r in pool.run(job_failed_unshard_wait, use_shm, via, timeout=60):
+                assert r["shm"] is use_shm, r  # each transport really ran
+                assert r["err"] == ("RuntimeError", "injected: the gather's wait failed"), r
+                assert r["state"] == {"gathering": False, "unsharded": False}, r
+                # the next forward gathered again: ref's output up to the dp sum's rounding
+                # of the averaged gradient (4 equal fp32 terms: a few ulps per weight)
+                assert r["max_diff"] <= 1e-6 * max(r["scale"], 1.0), r
