@@ -117,9 +117,16 @@ def _embedding_case() -> dict:
     parallelize_module(emb, mesh["tp"], RowwiseParallel(input_layouts=Replicate()))
     fsdp2d.fully_shard(emb, mesh=mesh["dp"])
     ids = torch.arange(8).reshape(2, 4)
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
     with torch.no_grad():
         out = emb(ids)
         out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        # torch's RowwiseParallel output is an AsyncCollectiveTensor: its all-reduce is
+        # waited for at the first op on it, and pickling (the pool sending it back) is
+        # none, so without this the driver could compare a sum still in flight (seen
+        # once in CI under load 8)
+        out = out.wait() if isinstance(out, AsyncCollectiveTensor) else out
         got = emb.weight.full_tensor()
     return {"full": got, "expected": full, "out": out, "ref_out": full[ids],
             "placements": tuple(map(repr, emb.weight.placements)), "local": tuple(emb.weight.to_local().shape)}
