@@ -31,8 +31,10 @@ threads can still take the GIL):
 
 This is a heuristic that narrows the window, not a proof: a worker woken for the GIL
 that gets no core in two pauses that did not overrun, or a collective left running (an
-``async_op`` work never waited for), can still abort the exit. Tests: ``tests/unit/test_exit.py`` (the mechanism; the race itself is too rare
-for a test), and the repro's rate before and after in issue 20's note.
+``async_op`` work never waited for), can still abort the exit. Measured with the
+repro above on 4 gloo ranks: 7 aborts in 124 runs with step 1 only, none in 136 with
+both steps (issue 20). ``tests/unit/test_exit.py`` tests the mechanism (the race
+itself is too rare for a test).
 """
 
 from __future__ import annotations
