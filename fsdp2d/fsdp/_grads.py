@@ -113,17 +113,18 @@ class GradReduction:
         all-reduce has not started, wait for the reduce-scatter and start the all-reduce
         asynchronously (True: still in flight; see ``_Context.post_backward``); otherwise
         finish it (False)."""
-        if self._reduce is not None and not self._reduce[3]:
-            self._start_all_reduce()
+        if self.start_pending_all_reduce():
             return True
         self.finish_reduce()
         return False
 
-    def start_pending_all_reduce(self) -> None:
+    def start_pending_all_reduce(self) -> bool:
         """Start this group's replicate all-reduce if its reduce-scatter has not moved on
-        yet; never wait for one already running (``advance_reduce`` would finish it)."""
-        if self._reduce is not None and not self._reduce[3]:
-            self._start_all_reduce()
+        yet (True); never wait for one already running (``advance_reduce`` would finish it)."""
+        if self._reduce is None or self._reduce[3]:
+            return False
+        self._start_all_reduce()
+        return True
 
     def _start_all_reduce(self) -> None:
         # Asynchronous, as torch FSDP2 runs it on its own stream: a synchronous all-reduce
@@ -140,8 +141,8 @@ class GradReduction:
         wait and discard)."""
         if self._reduce is None:
             return
-        if assign and not self._reduce[3]:
-            self._start_all_reduce()
+        if assign:
+            self.start_pending_all_reduce()
         work, out, all_had, _ = self._reduce
         self._reduce = None
         if work is not None:

@@ -246,9 +246,9 @@ class FSDPParamGroup(GradReduction):
         # must not leave a spent handle that the next wait would take as done, marking
         # uninitialised storage unsharded. The next unshard gathers again (or raises again).
         self._gather = None
+        for p in self.params:
+            p.alloc_unsharded()
         if out is None:  # shared memory (see unshard): one copy op per rank's piece
-            for p in self.params:
-                p.alloc_unsharded()
             sizes = [p.segment_numel for p in self.params]
 
             def copy_out(parts: dict[int, torch.Tensor]) -> None:
@@ -261,8 +261,6 @@ class FSDPParamGroup(GradReduction):
         if work is not None:
             work.wait()
         gathered = out.view(self.k, self.total)
-        for p in self.params:
-            p.alloc_unsharded()
         if self.params:  # one copy op for the whole group, into the padded unsharded storage
             torch.split_with_sizes_copy(gathered, [p.segment_numel for p in self.params], dim=1,
                                         out=[p.padded.view(self.k, -1) for p in self.params])
