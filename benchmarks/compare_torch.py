@@ -498,6 +498,13 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def turn_order(names: list[str] | tuple[str, ...], i: int) -> list[str]:
+    """The order of the implementations in timed round ``i``: each goes first in turn,
+    then the order reverses, so load and the garbage collector hit all alike."""
+    order = list(names[i % len(names):]) + list(names[:i % len(names)])
+    return order if (i // len(names)) % 2 == 0 else order[::-1]
+
+
 def load_avg() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -544,9 +551,8 @@ def run(cfg: Config, steps: int, warmup: int, profile: str | None, optim: str = 
     for step in range(warmup):
         for name in names:
             one(name, step, timed=False)
-    for i in range(steps):  # each implementation goes first in turn, then the order reverses
-        order = names[i % len(names):] + names[:i % len(names)]
-        for name in (order if (i // len(names)) % 2 == 0 else order[::-1]):
+    for i in range(steps):
+        for name in turn_order(names, i):
             one(name, warmup + i, timed=True)
 
     # one instrumented step each (same batch): collectives, bytes, peak memory

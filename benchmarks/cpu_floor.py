@@ -79,7 +79,7 @@ def cpu_per_step(model: torch.nn.Module, cfg: ct.Config, local_vocab: int | None
 
 
 def side_by_side(cfg: ct.Config, steps: int) -> None:
-    """4 gloo ranks: plain, fsdp2d and torch, alternating (the order rotates every step,
+    """4 gloo ranks: plain, fsdp2d and torch, alternating as ``make bench`` does (``turn_order``,
     so load hits all alike); median wall per step (slowest rank) and CPU per rank."""
     if dist.get_world_size() != 4:
         raise SystemExit(f"cpu_floor.py: the side-by-side mode is the 2x2 mesh of `make bench`: run it on 4 ranks "
@@ -91,9 +91,9 @@ def side_by_side(cfg: ct.Config, steps: int) -> None:
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for k, (m, _) in impls.items()}
     wall: dict[str, list[float]] = {k: [] for k in impls}
     cpu: dict[str, list[float]] = {k: [] for k in impls}
-    dp_rank, order = mesh.get_local_rank("dp"), list(impls)
+    dp_rank = mesh.get_local_rank("dp")
     for step in range(steps + 4):
-        for k in order[step % 3:] + order[:step % 3]:
+        for k in ct.turn_order(list(impls), step):
             model, local_vocab = impls[k]
             x, y = ct.batch_for(cfg, step, dp_rank, mesh["dp"].size())
             if local_vocab is not None:
@@ -112,7 +112,7 @@ def side_by_side(cfg: ct.Config, steps: int) -> None:
         dist.all_reduce(v)  # summed over the 4 ranks: printed as their mean
     if dist.get_rank() == 0:
         med = {k: statistics.median(v) for k, v in wall.items()}
-        print(f"{cfg.model} {cfg.size}, 4 gloo ranks (2x2), {steps} steps, load {os.getloadavg()[0]:.2f}")
+        print(f"{cfg.model} {cfg.size}, 4 gloo ranks (2x2), {steps} steps, load {ct.load_avg()}")
         for k in impls:
             print(f"  {k:7s} wall {med[k]:7.1f} ms/step  CPU {cpu_median[k].item() / 4:6.1f} ms/step/rank  "
                   f"{med[k] / med['torch']:.3f} of torch")
