@@ -30,28 +30,21 @@ def _split(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
     """(--config, the --section.key overrides, the --config-overlay files in order)."""
     config, rest, overlays, i = None, [], [], 0
     while i < len(argv):
-        flag = argv[i].split("=", 1)[0]
-        if argv[i] in ("--config", "--config-overlay"):
-            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
-                raise ConfigError(f"{argv[i]} needs a file: {argv[i]} FILE.toml (presets are in configs/)")
-            if argv[i] == "--config":
-                config = argv[i + 1]
-            else:
-                overlays.append(argv[i + 1])
-            i += 2
-        elif flag in ("--config", "--config-overlay"):
-            value = argv[i].split("=", 1)[1]
+        flag, eq, value = argv[i].partition("=")
+        if flag in ("--config", "--config-overlay"):
+            if not eq:  # the file is the next argument
+                if i + 1 == len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError(f"{flag} needs a file: {flag} FILE.toml (presets are in configs/)")
+                value, i = argv[i + 1], i + 1
             if flag == "--config":
                 config = value
             else:
                 overlays.append(value)
-            i += 1
         elif argv[i] in ("--resume", "--overwrite"):
             rest.append(f"--checkpoint.{argv[i][2:]}=true")
-            i += 1
         else:
             rest.append(argv[i])
-            i += 1
+        i += 1
     return config, rest, overlays
 
 
