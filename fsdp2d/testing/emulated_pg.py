@@ -121,7 +121,10 @@ class _CudaStreams:
             event = torch.cuda.Event()
             event.record(side)
         for t in tensors:  # the caller may free them before the side stream is done
-            t.record_stream(side)
+            try:
+                t.record_stream(side)
+            except RuntimeError:  # memory the caching allocator does not own: the work holds it
+                pass
         return event
 
     def wait(self, device: torch.device, event: Any) -> None:
