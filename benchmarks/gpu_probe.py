@@ -125,8 +125,8 @@ def run_phase(a: argparse.Namespace) -> int:
 
 
 # -- the driver: every phase in a subprocess -------------------------------------------
-class _Stop(Exception):
-    pass
+class _Stop(BaseException):
+    """SIGTERM (from ``timeout``): not an ``Exception``, so no check or phase swallows it."""
 
 
 def _worker_cmd(a: argparse.Namespace, phase: str, result: str, deadline: float) -> list[str]:
@@ -171,24 +171,25 @@ def run_all(a: argparse.Namespace) -> dict:
             Path(result).unlink(missing_ok=True)
             print(f"== {phase} {NAMES[phase]} (cap {cap:.0f} s)", flush=True)
             t0 = time.time()
+            running.update(proc=None, phase=phase, result=result, t0=t0)
             if a.inline:
-                _merge(report, phase, result, _inline(a, phase, result), time.time() - t0)
-                write_json(a.out, report)
-                continue
-            proc = subprocess.Popen(_worker_cmd(a, phase, result, t0 + cap - 5), env={**os.environ,
-                                    "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-            running.update(proc=proc, phase=phase, result=result, t0=t0)
-            try:
-                rc: int | None = proc.wait(timeout=cap)
-            except subprocess.TimeoutExpired:
-                rc = None
-                _kill(proc)
-            running.clear()
+                rc: int | None = _inline(a, phase, result)
+            else:
+                running["proc"] = proc = subprocess.Popen(
+                    _worker_cmd(a, phase, result, t0 + cap - 5), env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    start_new_session=True)
+                try:
+                    rc = proc.wait(timeout=cap)
+                except subprocess.TimeoutExpired:
+                    rc = None
+                    _kill(proc)
             _merge(report, phase, result, rc, time.time() - t0)
+            running.clear()
             write_json(a.out, report)
     except (_Stop, KeyboardInterrupt) as e:
-        if running:
-            _kill(running["proc"])
+        if running and running["phase"] not in report["phases"]:
+            if running["proc"] is not None:
+                _kill(running["proc"])
             _merge(report, running["phase"], running["result"], None, time.time() - running["t0"])
             report["phases"][running["phase"]]["status"] = f"killed ({e})"
         write_json(a.out, report)

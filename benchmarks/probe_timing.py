@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
