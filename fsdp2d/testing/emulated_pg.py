@@ -395,4 +395,7 @@ def calibrate_sleep(device: torch.device | None = None, repeats: int = 3) -> flo
         timed(1000)  # load the kernel
         lo = statistics.median(timed(1_000_000) for _ in range(repeats))
         hi = statistics.median(timed(10_000_000) for _ in range(repeats))
+    if not hi > lo > 0:
+        raise RuntimeError(f"torch.cuda._sleep calibration failed: 1e6 cycles took {lo * 1e3:.3f} ms, 1e7 took "
+                           f"{hi * 1e3:.3f} ms")
     return 9_000_000 / (hi - lo)
