@@ -322,7 +322,8 @@ class Llama(nn.Module):
             if document_ids.shape != tokens.shape:
                 raise ValueError(f"Llama.forward: document_ids has shape {tuple(document_ids.shape)}, the tokens "
                                  f"{tuple(tokens.shape)}: one document id per token")
-            rope = self.rope_cache[document_positions(document_ids)]  # (B, T, 2, D/2)
+            pos = document_positions(document_ids)  # (B, T); index_select: integer rows, no host sync
+            rope = self.rope_cache.index_select(0, pos.flatten()).unflatten(0, pos.shape)  # (B, T, 2, D/2)
             mask = document_mask(document_ids)  # (B, 1, T, T)
         h = self.tok_embeddings(tokens)  # (B, T, C)
         for layer in self.layers:

@@ -144,3 +144,24 @@ def test_transformers_without_a_4d_mask_is_refused():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         document_inputs(model, torch.zeros(1, SEQ, dtype=torch.long))
+
+
+def test_masked_forward_makes_no_host_sync():
+    """DESIGN item 9: ids, positions, mask and the masked forward/backward dispatch no op
+    whose output shape or value the host must wait for (``.item()``, ``nonzero``...)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    synced = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags:
+                synced.append(func)
+            return func(*args, **(kwargs or {}))
+
+    model = _llama()
+    x, y = D.packed_batch(0, 2, SEQ, VOCAB)
+    with Count():
+        ids = document_ids(x, eos_id=D.EOS, bos_id=3)
+        F.cross_entropy(model(x, document_ids=ids).flatten(0, 1), y.flatten()).backward()
+    assert not synced, synced
