@@ -85,3 +85,26 @@ def test_resume_with_nothing_left_to_train_is_refused_before_anything_changes(tm
         assert "\n" not in str(err.value)
         trainer.close()
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_the_trainers_document_hook_masks_each_micro_batch(tmp_path, world1):  # noqa: F811
+    """The hook the data layer's ``data.document_mask`` sets: the trainer's loss is the
+    document-masked model's (and not the plain one's)."""
+    import functools
+
+    import torch
+    import torch.nn.functional as F
+
+    from fsdp2d.models import document_ids
+    from fsdp2d.train.trainer import Trainer
+
+    trainer = Trainer(_local(tmp_path, "docs"))
+    x, y = next(trainer.data.train)
+    eos = int(x[0, 5])  # a token that occurs: documents end there
+    with torch.no_grad():
+        plain = trainer._loss(x, y)
+        trainer.document_ids_of = functools.partial(document_ids, eos_id=eos)
+        masked = trainer._loss(x, y)
+        want = F.cross_entropy(trainer.model(x, document_ids=document_ids(x, eos_id=eos)).flatten(0, 1), y.flatten())
+    assert masked == want and masked != plain
+    trainer.close()

@@ -166,6 +166,9 @@ class Trainer:
                                      weight_decay=o.weight_decay)
         self.ckpts = ckpt.CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.checkpoint.keep_last)
         self.step = 0
+        self.document_ids_of = None
+        """Document masking: tokens (B, T) -> document ids (B, T) (e.g. ``functools.partial(
+        fsdp2d.models.document_ids, eos_id=EOS)``), passed to the model each micro-batch; None: off."""
         self.unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss summed over the world, grad norm)
         writers = build_writers(cfg.metrics, cfg.run_dir, dataclasses.asdict(cfg)) if self.rank == 0 else []
         self.metrics = Metrics(cfg.run_dir, cfg.training.steps, enabled=self.rank == 0, writers=writers)
@@ -273,7 +276,8 @@ class Trainer:
         device = self.cfg.parallel.device
         x, y = x.to(device), y.to(device)
         with self._loss_context():
-            logits = self.model(x)
+            docs = {} if self.document_ids_of is None else {"document_ids": self.document_ids_of(x)}
+            logits = self.model(x, **docs)
             if not self.cfg.parallel.loss_parallel:
                 logits = logits.float()
             return F.cross_entropy(logits.flatten(0, 1), y.flatten())
