@@ -108,3 +108,22 @@ def test_the_trainers_document_hook_masks_each_micro_batch(tmp_path, world1):  #
         want = F.cross_entropy(trainer.model(x, document_ids=document_ids(x, eos_id=eos)).flatten(0, 1), y.flatten())
     assert masked == want and masked != plain
     trainer.close()
+
+
+@pytest.mark.parametrize("corpus", ["empty.txt", "empty tokens.bin", "36-byte corpus"])
+def test_a_refused_corpus_ends_the_worker_in_one_line(tmp_path, world1, monkeypatch, capsys, corpus):  # noqa: F811
+    """Issue 32 item 14, the worker side in-process (tests/test_launch_errors.py runs the
+    launcher end to end): the worker's run ends in one line on stderr and exit code 2,
+    nothing written."""
+    from fsdp2d.train import cli, failure
+
+    monkeypatch.delenv(failure.LAUNCHER_ENV, raising=False)
+    path, extra = {"empty.txt": ("a.txt", ["--data.format=text"]),
+                   "empty tokens.bin": ("tokens.bin", ["--data.format=uint16"]),
+                   "36-byte corpus": ("b.txt", ["--data.format=text"])}[corpus]
+    (tmp_path / path).write_bytes(b"hello world, 36 bytes of text here.\n" if corpus.startswith("36") else b"")
+    cfg = _local(tmp_path, "job", f"--data.path={tmp_path / path}", *extra)
+    assert cli._worker(cfg) == 2
+    out = capsys.readouterr()
+    assert out.err.count("\n") == 1 and out.err.startswith("config error: ") and "Traceback" not in out.out, out
+    assert not (tmp_path / "job").exists()
