@@ -75,14 +75,15 @@ def _write_traceback(run_dir: Path, rank: int) -> str:
     return f" (traceback: {path})"
 
 
-def _reply(line: str, code: int) -> None:
+def _reply(line: str, code: int, agreed: bool) -> None:
     """torchrun's per-worker error file, read back by :func:`child_failed`."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     data = {"message": {"message": line, "extraInfo": {"py_callstack": traceback.format_exc(),
                                                        "timestamp": str(int(time.time()))}},
-            "fsdp2d": {"line": line, "exitcode": code, "time": time.time()}}  # (torch's timestamp: whole seconds)
+            "fsdp2d": {"line": line, "exitcode": code, "agreed": agreed,
+                       "time": time.time()}}  # (torch's timestamp is in whole seconds)
     try:
         with open(path, "w") as f:
             json.dump(data, f)
@@ -99,7 +100,7 @@ def worker_failed(exc: BaseException, run_dir: Path, rank: int) -> int:
     agreed = _agreed(exc)
     if not agreed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         line = f"rank {rank}: {line}"
-    _reply(line, code)
+    _reply(line, code, agreed)
     if not os.environ.get(LAUNCHER_ENV) and (rank == 0 or not agreed):
         print(line, file=sys.stderr, flush=True)
     return code
@@ -114,9 +115,12 @@ def _fsdp2d_entry(failure) -> dict | None:
 def child_failed(exc, run_dir: str | None) -> int:
     """(Launcher side.) Print the one line of torchrun's ``ChildFailedError`` ``exc``; the exit code."""
     failures = exc.failures  # {global rank: ProcessFailure}
-    ours = sorted((entry["time"], rank, entry) for rank, f in failures.items() if (entry := _fsdp2d_entry(f)))
-    if ours:  # the first to fail: its peers may have failed after it, because of it
-        entry = ours[0][2]
+    # A failure all ranks share: rank 0's (the lowest reported). Else the first to fail: its
+    # peers may have failed after it, because of it.
+    ours = sorted((not entry.get("agreed"), 0 if entry.get("agreed") else entry["time"], rank, entry)
+                  for rank, f in failures.items() if (entry := _fsdp2d_entry(f)))
+    if ours:
+        entry = ours[0][-1]
         print(entry["line"], file=sys.stderr, flush=True)
         return int(entry["exitcode"])
     rank, failure = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))

@@ -69,6 +69,11 @@ def test_launcher_prints_the_workers_line_once(tmp_path, monkeypatch, capsys):
     code, _ = _child_failed(tmp_path, monkeypatch, {0: (2, err), 1: (-15, None), 2: (2, err), 3: (-15, None)})
     out = capsys.readouterr()
     assert code == 2 and out.err == "config error: 0 tokens in data.path\n" and out.out == ""
+    # a failure all ranks share, rank 2 first: rank 0's line (its traceback file), whatever the order
+    err = CheckpointError("save to X failed")
+    code, _ = _child_failed(tmp_path, monkeypatch, {2: (2, err), 0: (2, err)})
+    log = tmp_path / "run" / "logs" / "rank0.log"
+    assert code == 2 and capsys.readouterr().err == f"error: save to X failed (traceback: {log})\n"
 
 
 def test_launcher_prints_the_first_failure(tmp_path, monkeypatch, capsys):
