@@ -10,14 +10,15 @@ anything else (a bug: exit code 1). Every failure but a refused config writes it
 traceback to ``RUN/logs/rank{R}.log`` (appended; best effort: on a full disk the line says
 it could not) and the line ends with that path. The line goes to torchrun's per-worker
 error file (``TORCHELASTIC_ERROR_FILE``, torch's JSON reply-file format, with an
-``"fsdp2d"`` entry holding the line and exit code). Launched by ``fsdp2d train`` (the
+``"fsdp2d"`` entry holding the line, exit code, whether all ranks share it, and the time). Launched by ``fsdp2d train`` (the
 environment says :data:`LAUNCHER_ENV`), the worker prints nothing: the launcher prints the
 line once. Under a user's own torchrun, rank 0 prints a failure all ranks share (config,
 checkpoint, loss: they agree collectively), and every failing rank prints its own.
 
 **The launcher's torchrun** (``fsdp2d.train._torchrun``) catches torchrun's
-``ChildFailedError`` and calls :func:`child_failed`: it prints the earliest failure's fsdp2d
-line and exits with its code; a worker that died without one (a signal, the OOM killer)
+``ChildFailedError`` and calls :func:`child_failed`: it prints one fsdp2d line (rank 0's
+for a failure all ranks share, else the first failure's: its peers may have failed
+because of it) and exits with its code; a worker that died without one (a signal, the OOM killer)
 gets a line naming its rank and how it ended, with torchrun's report written to
 ``RUN/logs/torchrun.log``.
 """
@@ -45,20 +46,24 @@ REFUSED, BUG = 2, 1
 """Exit codes: fsdp2d said what is wrong and what to do (2); an unexpected exception (1)."""
 
 
+def _training_error() -> type:
+    try:  # (the failure may be that the trainer does not import)
+        from .trainer import TrainingError
+    except Exception:  # noqa: BLE001
+        return ConfigError
+    return TrainingError
+
+
 def _agreed(exc: BaseException) -> bool:
     """Failures every rank raises together (they agree collectively before raising)."""
-    from .trainer import TrainingError
-
-    return isinstance(exc, (ConfigError, CheckpointError, TrainingError))
+    return isinstance(exc, (ConfigError, CheckpointError, _training_error()))
 
 
 def one_line(exc: BaseException) -> tuple[str, int]:
     """(the message without its traceback location, the exit code) of ``exc``."""
-    from .trainer import TrainingError
-
     if isinstance(exc, ConfigError):
         return f"config error: {exc}", REFUSED
-    if isinstance(exc, (CheckpointError, TrainingError, OSError)):
+    if isinstance(exc, (CheckpointError, _training_error(), OSError)):
         return f"error: {exc}", REFUSED
     return f"error: {type(exc).__name__}: {exc}", BUG
 
