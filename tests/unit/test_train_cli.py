@@ -19,7 +19,7 @@ def launches(monkeypatch):
     """No worker is ever started: the command torchrun would get is recorded instead."""
     calls = []
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(cli, "_launch", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli, "_launch", lambda cmd, env=None: calls.append(cmd) or 0)
     return calls
 
 
