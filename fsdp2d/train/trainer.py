@@ -43,7 +43,9 @@ from fsdp2d.mesh import axis_size
 from fsdp2d.hf.weights import model_spec
 
 from . import preflight
-from .config import JobConfig, save_config, validate
+from fsdp2d.data import DataStateError
+
+from .config import ConfigError, JobConfig, save_config, validate
 from .data import build_data
 from .metrics import Metrics, device_peak, peak_memory_mib
 from .writers import build_writers
@@ -176,7 +178,8 @@ class Trainer:
                 dp_rank = dp_rank * axis_size(self.mesh, name) + self.mesh.get_local_rank(name)
         try:
             preflight.check_run_folder(cfg)
-            data = build_data(cfg, dp_rank, cfg.dp_degree)
+            prepared = preflight.prepare_data(cfg, progress=self.rank == 0)
+            data = build_data(cfg, dp_rank, cfg.dp_degree, prepared=prepared, warn=self._say)
             preflight.check_data(cfg, data)
         except (ValueError, OSError) as exc:  # ConfigError is a ValueError
             error = str(exc)
@@ -190,6 +193,7 @@ class Trainer:
                 preflight.clear_earlier_run(self.cfg)
             save_config(self.cfg, self.cfg.run_dir / "config.toml")
             print(self._start_line(), flush=True)
+            print(self.data.describe(), flush=True)
         if dist.get_world_size() > 1:
             dist.barrier()
 
@@ -207,22 +211,31 @@ class Trainer:
         export = hf or ("none (no checkpoint)" if self.cfg.checkpoint.export_hf else "off (checkpoint.export_hf)")
         return f"done: step {self.step} of {self.cfg.training.steps}; {saved}; HF export: {export}"
 
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
     # -- resume ------------------------------------------------------------------------
     def maybe_resume(self) -> None:
         """Continue from the newest checkpoint that verifies, when asked to or after a
         torchrun restart; a corrupt newer one is skipped and logged (a crash loop under
         ``--max-restarts`` otherwise). CheckpointError if there are checkpoints and none
-        loads (e.g. another model size); model and optimizer are then as built."""
+        loads (e.g. another model size); model and optimizer are then as built. A sound
+        checkpoint whose data position this run cannot continue (the data or [data]
+        changed) is a ConfigError saying so, and no older one is tried. Without a
+        checkpoint to resume, ``checkpoint.init_from`` starts the run from its weights."""
         if not preflight.resuming(self.cfg):
-            return
+            return self._init_from()
         failures = []
         for step in reversed(self.ckpts.steps()):
             path = self.ckpts.path(step)
             try:
                 extra = ckpt.load(path, self.model, self.opt)  # collective: all ranks fail together
                 step, data_state, rng = int(extra["step"]), extra["data"], extra["rng"]
-                self.data.train.load_state_dict(data_state)
+                self.data.load_state_dict(data_state)
                 _set_rng_state(rng)
+            except DataStateError as exc:  # the same on every rank: a pure function of config and state
+                raise ConfigError(f"{path} is a sound checkpoint, but {exc}") from None
             except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # (CheckpointError too)
                 failures.append(f"{path}: {exc!r}" if isinstance(exc, KeyError) else f"{exc}")
                 if self.rank == 0:
@@ -237,9 +250,19 @@ class Trainer:
             raise ckpt.CheckpointError(f"no checkpoint in {self.ckpts.folder} loads into this run; the newest "
                                        f"says: {failures[0]}")
         self.metrics.forget_after(0)  # no checkpoint: the run starts again from step 0
+        self._init_from()
+
+    def _init_from(self) -> None:
+        """``checkpoint.init_from``: its weights (and optimizer state if asked), step 0, this run's data."""
+        c = self.cfg.checkpoint
+        if not c.init_from:
+            return
+        ckpt.load(c.init_from, self.model, self.opt if c.init_from_optimizer else None)
+        self._say(f"initialised from {c.init_from} ({'weights and optimizer state' if c.init_from_optimizer else 'weights'}"
+                  f"), step 0 with this run's data")
 
     def save(self) -> None:
-        extra = {"step": self.step, "data": self.data.train.state_dict(), "rng": _rng_state(),
+        extra = {"step": self.step, "data": self.data.state_dict(), "rng": _rng_state(),
                  "model": model_spec(self.model)}  # lets `export --format hf` write config.json
         self.ckpts.save(self.step, self.model, self.opt, extra=extra)
 
@@ -326,15 +349,19 @@ class Trainer:
             evaluate = bool(t.eval_every) and step % t.eval_every == 0
             log = step % t.log_every == 0 or step == stop or evaluate
             save = (bool(every) and step % every == 0) or step == stop
+            first = self.data.train.samples
             values = self.train_step(self.data.train, read=log or save)
             self.step = step
+            if cfg.data.log_samples and self.rank == 0:
+                self.data.log_samples(cfg.run_dir / "samples.jsonl", step, first, self.data.train.samples)
             if values is None:
                 continue
             dt = (time.perf_counter() - t0) / (step - step0)
             tps = tokens_per_step / dt
             record = {"step": step, "loss": values[0], "lr": lr, "grad_norm": values[1], "tokens_per_s": tps,
                       "mfu": self.flops_per_token * tps / (self.peak * dist.get_world_size()),
-                      "peak_mem_mib": peak_memory_mib(cfg.parallel.device), "step_time_s": dt}
+                      "peak_mem_mib": peak_memory_mib(cfg.parallel.device), "step_time_s": dt,
+                      **self.data.metrics()}
             if evaluate:
                 record["eval_loss"] = self.evaluate()
             if log:
