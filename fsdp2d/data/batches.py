@@ -97,8 +97,7 @@ class Batches:
 
     def epochs(self) -> list[float]:
         """Each source's epochs so far (1.5 = one and a half passes)."""
-        counts = self.source_samples()
-        return [float(c) / o.sequences for c, o in zip(counts.tolist(), self.orders)]
+        return [o.progress(c) for c, o in zip(self.source_samples().tolist(), self.orders)]
 
     def _check_wrap(self) -> None:
         for i, c in enumerate(self.source_samples().tolist()):

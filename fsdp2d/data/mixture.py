@@ -98,6 +98,11 @@ class SourceOrder:
         era = self.eras[self._era(j)]
         return era.epoch + (j - era.start) // era.sequences
 
+    def progress(self, j: int) -> float:
+        """Epochs done after ``j`` samples: 1.5 = one and a half passes."""
+        era = self.eras[self._era(j)]
+        return era.epoch + (j - era.start) / era.sequences
+
     def _order(self, e: int, i: int) -> np.ndarray:
         """The order of epoch ``e`` under era ``i``."""
         era = self.eras[i]
