@@ -113,7 +113,7 @@ def encode_source(source: ResolvedSource, tok: Tokenizer, bos: int | None, eos: 
 
 class _Progress:
     """``pretokenize [#####.....] 12/40 files 3.1 MB/s ETA 0:09`` on stderr: redrawn on a
-    terminal, a plain line every tenth of the work on a log."""
+    terminal; on a log, a line every tenth of the work once it has run 2 s, and the last."""
 
     def __init__(self, total_bytes: int, total_files: int, enabled: bool) -> None:
         self.total, self.files, self.enabled = max(total_bytes, 1), total_files, enabled
@@ -128,11 +128,13 @@ class _Progress:
         bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
         text = (f"pretokenize [{bar}] {done_files}/{self.files} files {done_bytes / max(elapsed, 1e-9) / 1e6:.1f} "
                 f"MB/s ETA {int(eta) // 60}:{int(eta) % 60:02d}")
+        last = done_files == self.files
         if self.tty:
-            print("\r" + text, end="\n" if done_files == self.files else "", file=sys.stderr, flush=True)
-        elif frac >= self.next_line or done_files == self.files:
+            print("\r" + text, end="\n" if last else "", file=sys.stderr, flush=True)
+        elif last or (frac >= self.next_line and elapsed > 2):
             print(text, file=sys.stderr, flush=True)
             self.next_line = frac + 0.1
+            self.enabled = not last  # one final line
 
 
 def _run(source: ResolvedSource, tok: Tokenizer, bos, eos, writer: StoreWriter, workers: int,
@@ -156,6 +158,8 @@ def _run(source: ResolvedSource, tok: Tokenizer, bos, eos, writer: StoreWriter, 
             done_files = i
     else:
         ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+        if ctx.get_start_method() == "forkserver":  # import once in the server, not in every worker
+            ctx.set_forkserver_preload(["fsdp2d.data.encode"])
         with ctx.Pool(workers, init_worker, (tok.name, bos, eos)) as pool:
             pending: deque = deque()
             for i in range(len(rows)):

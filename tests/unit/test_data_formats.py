@@ -72,6 +72,8 @@ def test_pretokenized_store_in_workers_has_bos_and_eos_at_every_boundary(tmp_pat
     assert (tokens == bos).sum() == (tokens == eos).sum() == len(DOCS)  # nowhere else
     assert store.manifest["tokenizer"]["bos_id"] == bos and store.manifest["bos"] is True
     assert [row[4] for row in manifest["sources"][0]["files"]] == [25, 15]  # documents per file
+    with pytest.raises(DataError, match="is a token store .*not flat uint16 files"):  # documents.bin is no token file
+        load_tokens(_cfg(tmp_path / "out", tok, "--data.format=uint16"))
 
 
 def test_gzip_or_parquet_given_as_text_is_refused(tmp_path, tok):
