@@ -107,8 +107,8 @@ def test_changed_data_at_resume_is_one_line_not_a_corrupt_checkpoint(tmp_path, w
 @pytest.mark.dist
 def test_docs_data_md_end_to_end_on_cpu(tmp_path):
     """docs/data.md's commands as written, in a fresh folder: make the corpus, pretokenize a
-    source, train the mixture preset (2 CPU ranks; fewer steps), resume it with another
-    global batch."""
+    source, train the mixture preset (2 CPU ranks; 4 steps). (The resume with another
+    global batch is tested in this process above.)"""
     import subprocess
     import sys
 
@@ -120,12 +120,9 @@ def test_docs_data_md_end_to_end_on_cpu(tmp_path):
     assert pre.returncode == 0 and "eos 0" in pre.stdout, pre.stderr[-2000:]
     short = ["--training.steps=4", "--training.eval_every=2", "--training.eval_steps=1", "--checkpoint.every=2",
              "--training.log_every=1"]
-    train = run(str(bin_dir / "fsdp2d"), "train", "--config", str(ROOT / "configs" / "jsonl_mixture_cpu.toml"), *short,
-                "--training.stop_at=2")
+    train = run(str(bin_dir / "fsdp2d"), "train", "--config", str(ROOT / "configs" / "jsonl_mixture_cpu.toml"), *short)
     assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
     assert "data: web (w 3" in train.stdout and "eos 0" in train.stdout
-    again = run(str(bin_dir / "fsdp2d"), "train", "--config", str(ROOT / "configs" / "jsonl_mixture_cpu.toml"), *short,
-                "--training.global_batch=8", "--resume")
-    assert again.returncode == 0 and "resumed from" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "runs" / "jsonl_mixture_cpu" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["samples_seen"] for r in rows] == [16, 32, 40, 48] and all("share/books" in r for r in rows)
+    assert [r["samples_seen"] for r in rows] == [16, 32, 48, 64] and all("share/books" in r for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]

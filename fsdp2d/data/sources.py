@@ -88,6 +88,8 @@ def _tokens_source(spec: SourceSpec, root: Path, manifest: dict | None) -> Resol
 
 def _raw_files(spec: SourceSpec, root: Path) -> list[tuple[Path, str]]:
     want = None if spec.format == "auto" else spec.format
+    if spec.path == STDLIB and want is None:  # Python's sources: its text files, whatever else it ships
+        want = "text"
     if root.is_dir() and is_hf_dataset(root) and want in (None, "arrow"):
         files = hf_dataset_files(root)
     elif want is not None:

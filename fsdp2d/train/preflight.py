@@ -14,8 +14,8 @@ rank stops together, before any rank writes. What is checked:
 * the data (:func:`prepare_data`): every source exists and is what it says, raw sources
   are tokenized once into the cache, ``model.vocab_size`` covers the tokenizer and every
   token id in the memory maps (the launcher checks this before torchrun starts and tells
-  the ranks so through :data:`DATA_CHECKED`; ranks of an outside torchrun check it
-  themselves); each source holds a sequence, and the eval split one per source when
+  the ranks so through :data:`DATA_CHECKED`; under an outside torchrun rank 0 checks it
+  and the ranks agree); each source holds a sequence, and the eval split one per source when
   the run evaluates.
 """
 
@@ -90,7 +90,8 @@ def prepare_data(cfg: JobConfig, *, progress: bool = True) -> Prepared:
     """Sources resolved and tokenized (once), vocabulary and ids checked: ConfigError
     (one line) for anything that would otherwise surface mid-run."""
     try:
-        return _prepare(cfg, progress=progress, scan=os.environ.get(DATA_CHECKED) != "1")
+        scan = os.environ.get(DATA_CHECKED) != "1" and os.environ.get("RANK", "0") == "0"  # one scan per job
+        return _prepare(cfg, progress=progress, scan=scan)
     except (DataError, FileNotFoundError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
 
