@@ -120,7 +120,7 @@ def resolve_source(spec: SourceSpec) -> ResolvedSource:
     if spec.format not in FORMATS:
         raise DataError(f"format {spec.format!r} of source {spec.label!r}: use one of {', '.join(FORMATS)}")
     if spec.format in ("uint16", "uint32"):
-        if root.is_dir() and _store_manifest(root) is not None:  # documents.bin is int64 offsets, not tokens
+        if root.is_dir() and (_store_manifest(root) or {}).get("format") == "fsdp2d-tokens":  # documents.bin: offsets
             raise DataError(f"{root} is a token store (it has {STORE_MANIFEST}), not flat {spec.format} files: set "
                             f"data.format=auto or tokens")
         return ResolvedSource(spec, root, "legacy", [(f, spec.format) for f in list_files(root, (".bin",))])

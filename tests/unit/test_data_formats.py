@@ -165,3 +165,20 @@ def test_document_ids_from_bos_and_eos():
     assert document_ids(x, 0, None).tolist() == [[0] * 6, [0, 0, 0, 1, 1, 1]]
     with pytest.raises(ValueError, match="needs a bos_id or an eos_id"):
         document_ids(x, None, None)
+
+
+def test_old_pretokenize_output_is_refused_and_flat_files_still_load(tmp_path):
+    """A folder from the old ``fsdp2d pretokenize`` (tokens.bin, no document index) names the
+    way out; its tokens.bin still loads as one flat document with data.format=uint16."""
+    from fsdp2d.data import save_tokens
+
+    old = tmp_path / "old"
+    save_tokens(old / "tokens.bin", np.arange(100), "uint16")
+    (old / "manifest.json").write_text('{"format": "uint16", "tokens": 100, "vocab_size": 256}')
+    with pytest.raises(DataError, match="made by an older fsdp2d pretokenize, without document boundaries: run "
+                                        "`fsdp2d pretokenize` again \\(or read its tokens.bin as one flat document "
+                                        "with data.format=uint16\\)"):
+        load_tokens(load_config(None, [f"--data.path={old}"]).data)
+    for path in (old, old / "tokens.bin"):
+        flat = load_tokens(load_config(None, [f"--data.path={path}", "--data.format=uint16"]).data)
+        assert flat.read(0, 100).tolist() == list(range(100))
