@@ -87,27 +87,38 @@ def test_resume_with_nothing_left_to_train_is_refused_before_anything_changes(tm
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
-def test_the_trainers_document_hook_masks_each_micro_batch(tmp_path, world1):  # noqa: F811
-    """The hook the data layer's ``data.document_mask`` sets: the trainer's loss is the
-    document-masked model's (and not the plain one's)."""
-    import functools
-
+def test_data_document_mask_masks_each_micro_batch(tmp_path, world1):  # noqa: F811
+    """Issue 29: ``data.document_mask = true`` on a JSON-lines corpus of short documents: the
+    trainer's loss is the model's with the document ids of the tokenizer's own BOS/EOS (which
+    the data layer put around every document), and not the unmasked one. GPT-2 is refused
+    by the config check (its learned positions cannot restart)."""
     import torch
     import torch.nn.functional as F
 
     from fsdp2d.models import document_ids
+    from fsdp2d.train.config import validate
     from fsdp2d.train.trainer import Trainer
 
-    trainer = Trainer(_local(tmp_path, "docs"))
+    tok = _bpe(tmp_path / "tok.json")
+    corpus = tmp_path / "docs.jsonl"
+    words = ["hello", "world", "there", "def", "return", "x"]
+    corpus.write_text("".join(json.dumps({"text": " ".join(words[(i + k) % 6] for k in range(3 + i % 5))}) + "\n"
+                              for i in range(400)))
+    args = [f"--data.path={corpus}", "--data.format=auto", f"--data.tokenizer={tok}", "--data.document_mask=true"]
+    trainer = Trainer(_local(tmp_path, "docs", *args))
+    bos, eos = trainer.data.bos_id, trainer.data.eos_id
+    assert (bos, eos) == (1, 2)  # <s>, </s> of the tokenizer
     x, y = next(trainer.data.train)
-    eos = int(x[0, 5])  # a token that occurs: documents end there
+    assert (x == eos).any() and (x == bos).any()  # several documents per row
     with torch.no_grad():
-        plain = trainer._loss(x, y)
-        trainer.document_ids_of = functools.partial(document_ids, eos_id=eos)
         masked = trainer._loss(x, y)
-        want = F.cross_entropy(trainer.model(x, document_ids=document_ids(x, eos_id=eos)).flatten(0, 1), y.flatten())
+        want = F.cross_entropy(trainer.model(x, document_ids=document_ids(x, eos_id=eos, bos_id=bos)).flatten(0, 1),
+                               y.flatten())
+        plain = F.cross_entropy(trainer.model(x).flatten(0, 1), y.flatten())
     assert masked == want and masked != plain
     trainer.close()
+    with pytest.raises(ConfigError, match="data.document_mask=true: gpt2's learned positions"):
+        validate(_local(tmp_path, "gpt", *args, "--model.name=gpt2"))
 
 
 @pytest.mark.parametrize("corpus", ["empty.txt", "empty tokens.bin", "36-byte corpus"])

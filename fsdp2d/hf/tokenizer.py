@@ -5,9 +5,9 @@ An HF export is only usable with its tokenizer: :func:`tokenizer_files` gives
 ``transformers.AutoTokenizer`` loads (``PreTrainedTokenizerFast``).
 
 * A ``tokenizer.json`` (the ``tokenizers`` library's file) is copied as it is. Its BOS and
-  EOS are the ones a ``tokenizer_config.json`` beside it names, else its special added
-  tokens with the usual names (:data:`BOS_NAMES`, :data:`EOS_NAMES`; GPT-2's
-  ``<|endoftext|>`` is both); none found: None.
+  EOS are the ones training added to every document (:func:`fsdp2d.data.tokenizer.find_special_ids`:
+  a ``tokenizer_config.json`` beside it, else its post-processor's template, else special
+  added tokens with the usual names); none found: None.
 * fsdp2d's byte tokenizer (``data.tokenizer = "bytes"``: token = byte value, vocab 256)
   is written as an equivalent ``tokenizer.json``: a byte-level BPE with no merges whose
   256 symbols have ids 0-255 in byte order, so ``encode(text).ids == list(text.encode())``
@@ -20,10 +20,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["special_tokens", "tokenizer_files", "byte_tokenizer", "BOS_NAMES", "EOS_NAMES"]
-
-BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "<|endoftext|>")
-EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>", "<|eot_id|>")
+__all__ = ["special_tokens", "tokenizer_files", "byte_tokenizer"]
 
 
 def byte_tokenizer():
@@ -45,25 +42,19 @@ def byte_tokenizer():
     return tok
 
 
-def _named(config: dict, key: str) -> str | None:
-    value = config.get(key)
-    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
-
-
 def special_tokens(path: str | os.PathLike) -> dict[str, str | int | None]:
     """``{"bos_token", "bos_token_id", "eos_token", "eos_token_id"}`` of the tokenizer file
-    ``path`` (None where it has none; see the module doc)."""
+    ``path`` (None where it has none): the same ids the data layer closes documents with."""
     from tokenizers import Tokenizer
 
+    from fsdp2d.data.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(path)
     tok = Tokenizer.from_file(str(path))
-    beside = Path(path).with_name("tokenizer_config.json")
-    config = json.loads(beside.read_text()) if beside.is_file() else {}
-    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
     out: dict[str, str | int | None] = {}
-    for role, names in (("bos", BOS_NAMES), ("eos", EOS_NAMES)):
-        name = _named(config, f"{role}_token") or next((n for n in names if n in specials), None)
-        token_id = tok.token_to_id(name) if name is not None else None
-        out[f"{role}_token"], out[f"{role}_token_id"] = (name, token_id) if token_id is not None else (None, None)
+    for role, token_id in (("bos", ids.bos_id), ("eos", ids.eos_id)):
+        out[f"{role}_token"], out[f"{role}_token_id"] = (tok.id_to_token(token_id), token_id) \
+            if token_id is not None else (None, None)
     return out
 
 

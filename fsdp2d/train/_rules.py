@@ -46,6 +46,13 @@ def check_ranges(cfg: "JobConfig", errors: list[str]) -> None:
         ("checkpoint.every", c.every, c.every >= 0, ">= 0 (0 = never)"),
         ("checkpoint.keep_last", c.keep_last, c.keep_last >= 0, ">= 0 (0 = keep all)"),
     ]
+    for i, src in enumerate(d.sources):
+        rules.append((f"data.sources[{i}].weight", src.weight, src.weight > 0 and math.isfinite(src.weight), "> 0"))
+        rules.append((f"data.sources[{i}].path", repr(src.path), bool(src.path), "a file or folder"))
+    if d.sources and d.path != "stdlib":
+        rules.append(("data.path", repr(d.path), False, "unset when [[data.sources]] lists the sources (use one or the other)"))
+    if d.workers is not None:
+        rules.append(("data.workers", d.workers, d.workers >= 0, ">= 0 (or none)"))
     if m.n_kv_heads is not None:
         rules.append(("model.n_kv_heads", m.n_kv_heads, m.n_kv_heads >= 1, ">= 1 (or none)"))
     if p.nproc is not None:
@@ -91,7 +98,11 @@ def check_model(cfg: "JobConfig", errors: list[str]) -> None:
         if heads % tp:
             errors.append(f"parallel.tp={tp} must divide model.{name}={heads} (each TP rank "
                           f"holds whole heads): use tp in {{{_divisors(math.gcd(m.n_heads, kv))}}}")
-    if cfg.data.format == "text" and cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
+    if m.name == "gpt2" and cfg.data.document_mask:
+        errors.append("data.document_mask=true: gpt2's learned positions cannot restart per document "
+                      "(fsdp2d's GPT2 refuses document_ids); use model.name='llama' or data.document_mask=false")
+    raw = cfg.data.format not in ("tokens", "uint16", "uint32") or cfg.data.sources
+    if raw and cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
         errors.append(f"model.vocab_size={m.vocab_size} is too small for the byte tokenizer: "
                       f"set it to 256 or more")
     if cfg.data.seq_len > m.max_seq_len:

@@ -31,7 +31,6 @@ from .config import ConfigError, JobConfig, help_text, load_config, validate
 from .failure import LAUNCHER_ENV, RUN_DIR_ENV, worker_failed
 from .metrics import T0_ENV
 from ..hf.launch import apply_init_from
-from .pretokenize import apply_pretokenize
 
 
 def _split(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
@@ -66,13 +65,13 @@ def train(argv: list[str]) -> int:
     try:
         config, overrides, overlays = _split(argv)
         cfg = apply_init_from(load_config(config, overrides, overlays))
-        apply_pretokenize(cfg, may_work="LOCAL_RANK" not in os.environ)
         if "LOCAL_RANK" not in os.environ:  # not under torchrun: launch ourselves
             validate(cfg)
             preflight.check_device(cfg)
             preflight.check_data_path(cfg)
             lock.holder(cfg.run_dir)
             preflight.check_run_folder(cfg)
+            preflight.prepare_data(cfg)  # tokenize once, check the vocabulary and every id, before any rank
             nproc = cfg.parallel.nproc or cfg.world_size
             cmd = [sys.executable, "-m", "fsdp2d.train._torchrun", "--standalone", "--nproc_per_node", str(nproc),
                    "-m", "fsdp2d.train", *argv]
@@ -134,7 +133,7 @@ def _worker(cfg: JobConfig) -> int:
 def _launch(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run torchrun; on Ctrl-C (which reaches torchrun and us alike) wait for it to stop
     its workers rather than kill it, so rank 0 can say where the run stopped."""
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env={**(os.environ if env is None else env), preflight.DATA_CHECKED: "1"})  # the ranks skip the id scan
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -157,7 +156,7 @@ _COMMANDS = {
     "train": "train a model on this machine or under torchrun (--config FILE.toml, --resume)",
     "plan": "will a job fit and how fast will it run, before getting the GPUs (a dry run)",
     "plot": "the loss curve of a run as runs/NAME/loss.png",
-    "pretokenize": "tokenize a text corpus once into the token files training reads",
+    "pretokenize": "tokenize text, JSON lines, parquet or Arrow once into the token store training reads",
     "generate": "sample text from a checkpoint on one process",
 }
 
@@ -184,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in ("pretokenize", "generate"):
         from importlib import import_module
 
-        return import_module(f"fsdp2d.train.{argv[0]}").main(argv[1:])
+        return import_module("fsdp2d.data.pretokenize" if argv[0] == "pretokenize" else
+                             f"fsdp2d.train.{argv[0]}").main(argv[1:])
     if argv[0] == "plot":
         from .plot import main as plot_main
 

@@ -51,7 +51,7 @@ else:  # Python 3.10: the same parser, packaged as `tomli`
 from ._rules import check_batch, check_mesh, check_model, check_ranges
 
 __all__ = [
-    "ConfigError", "ModelConfig", "ParallelConfig", "DataConfig", "OptimConfig",
+    "ConfigError", "ModelConfig", "ParallelConfig", "SourceConfig", "DataConfig", "OptimConfig",
     "TrainingConfig", "CheckpointConfig", "MetricsConfig", "JobConfig",
     "SECTIONS", "load_config", "validate", "config_from_dict", "to_toml", "save_config",
     "help_text",
@@ -148,28 +148,76 @@ class ParallelConfig:
     """``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per process)."""
 
 
+DataFormat = Literal["auto", "text", "jsonl", "parquet", "arrow", "tokens", "uint16", "uint32"]
+
+
+@dataclass
+class SourceConfig:
+    """One ``[[data.sources]]`` entry of a weighted mixture."""
+
+    path: str = ""
+    """A file or folder, read as ``data.path`` is."""
+    weight: float = 1.0
+    """Share of the training tokens drawn from this source, relative to the others' weights."""
+    format: DataFormat | None = None
+    """As ``data.format``; None = ``data.format``."""
+    text_field: str = ""
+    """As ``data.text_field``; empty = ``data.text_field``."""
+    name: str = ""
+    """Name in metrics (``share/NAME``, ``epoch/NAME``) and messages; empty = the path's stem."""
+
+
 @dataclass
 class DataConfig:
     path: str = "stdlib"
-    """A file or a folder (searched recursively, sorted) of text or token files. The
-    special value ``stdlib`` is the folder of Python's own standard-library sources
-    (``os.path.dirname(os.__file__)``, ``*.py`` files): text on every machine, no
-    download."""
+    """A file or a folder (searched recursively, sorted): text files (one document each),
+    JSON lines (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``: one document per line), parquet
+    or Arrow files, a ``datasets`` ``save_to_disk`` folder (one document per row), a token
+    store made by ``fsdp2d pretokenize``, or flat token files (``format=uint16|uint32``).
+    The special value ``stdlib`` is the folder of Python's own standard-library sources
+    (``os.path.dirname(os.__file__)``: its UTF-8 ``*.py``/``*.txt``/... files): text on
+    every machine, no download. The single-source shorthand of ``[[data.sources]]``."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """A weighted mixture: ``[[data.sources]]`` tables with ``path``, ``weight`` and
+    optional ``format``, ``text_field``, ``name`` (then leave ``data.path`` unset). Samples
+    are drawn deterministically in proportion to the weights (docs/data.md)."""
+    format: DataFormat = "auto"
+    """``auto``: decided by each file's content (checked against its name); or ``text``,
+    ``jsonl``, ``parquet``, ``arrow`` (a file or folder of that kind, checked), ``tokens``
+    (a store from ``fsdp2d pretokenize``), ``uint16``/``uint32`` (flat little-endian token
+    files with no index, from before documents: each file is one document)."""
+    text_field: str = "text"
+    """The JSON field / parquet or Arrow column that holds a document's text."""
     tokenizer: str = "bytes"
-    """``bytes`` (token = byte value, vocab 256) or a path to a Hugging Face
-    ``tokenizer.json`` (needs ``pip install tokenizers``). Used only for ``format=text``."""
-    format: Literal["text", "uint16", "uint32"] = "text"
-    """``text`` files, or flat little-endian ``uint16``/``uint32`` token files (no header)."""
+    """``bytes`` (token = UTF-8 byte value, vocab 256, no special tokens) or a path to a
+    Hugging Face ``tokenizer.json`` or its folder (needs ``pip install tokenizers``)."""
+    bos: bool | None = None
+    """Put the tokenizer's BOS before every document. None = yes if the tokenizer has one
+    (the byte tokenizer has none); true with a tokenizer that has none is an error."""
+    eos: bool | None = None
+    """Put the tokenizer's EOS after every document; None/true as for ``bos``."""
+    document_mask: bool = False
+    """Attention never crosses a document boundary and positions restart per document
+    (the boundaries are the BOS/EOS tokens, so it needs the tokenizer's EOS or BOS; an
+    error otherwise)."""
     seq_len: int = 128
     """Tokens per training sequence (each sample reads ``seq_len + 1`` tokens)."""
     eval_fraction: float = 0.01
-    """Fraction of the token stream (its end) held out for evaluation; 0 = none."""
+    """Fraction of each source's documents held out (whole documents, spread by index,
+    at least one per source) for evaluation; a one-document source holds out its last
+    fraction of tokens. 0 = none."""
     seed: int = 0
-    """Seed of the per-epoch shuffle of sequence order."""
+    """Seed of the sample order (per-source shuffles) and of which documents are held out."""
     pretokenize: str = ""
-    """With ``format=text``: a folder where the corpus is tokenized once (in parallel,
-    with a progress bar) into the ``uint16``/``uint32`` file training then reads;
-    reused while sources and tokenizer are unchanged. Empty = tokenize in memory."""
+    """Folder where raw sources are tokenized once (a token store per source, reused while
+    its files, tokenizer and BOS/EOS are unchanged) and memory-mapped from; empty =
+    ``RUN/tokens``."""
+    workers: int | None = None
+    """Processes that tokenize raw sources; None = the CPU count (0 for the byte
+    tokenizer); 0 = the launching process itself."""
+    log_samples: bool = False
+    """Debug: rank 0 appends the (source, epoch, sequence) ids of every step's samples to
+    ``RUN/samples.jsonl``."""
 
 
 @dataclass
@@ -268,6 +316,11 @@ class CheckpointConfig:
     export_hf: bool = True
     """At the end of the run, write the last checkpoint as a Hugging Face folder
     ``RUN/hf`` (config.json + safetensors) that ``transformers`` loads."""
+    init_from: str = ""
+    """A checkpoint (``RUN/checkpoints/step_N``) whose weights start this run, at step 0
+    with this run's data (a resume of this run's own checkpoints wins over it)."""
+    init_from_optimizer: bool = False
+    """With ``init_from``: also load its optimizer state (AdamW moments); false = weights only."""
 
 
 @dataclass
@@ -399,6 +452,8 @@ def _coerce(value: Any, tp: Any, name: str, cli: bool = False) -> Any:
         close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"{name} must be one of {_type_name(tp)}, got {value!r}{hint}")
+    if origin is list and dataclasses.is_dataclass(args[0]):
+        return _coerce_tables(value, args[0], name, from_cli)
     if origin is tuple:
         if from_cli:
             value = [v for v in value.strip("()[] ").split(",") if v.strip()]
@@ -428,6 +483,32 @@ def _coerce(value: Any, tp: Any, name: str, cli: bool = False) -> Any:
     except ValueError:
         pass
     raise ConfigError(f"{name} must be {_type_name(tp)}, got {value!r}")
+
+
+def _coerce_tables(value: Any, cls: type, name: str, from_cli: bool) -> list:
+    """A list of ``cls`` from TOML's array of tables (``[[data.sources]]``), from JSON text
+    on the command line (``--data.sources='[{"path": "a", "weight": 2}]'``) or as built."""
+    if from_cli:
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"{name} on the command line is a JSON list of tables, e.g. "
+                              f"'[{{\"path\": \"a\", \"weight\": 2}}]': {e}") from None
+    if not isinstance(value, list):
+        raise ConfigError(f"{name} must be a list of tables ([[{name}]] in TOML), got {value!r}")
+    hints, out = _hints(cls), []
+    for i, table in enumerate(value):
+        if isinstance(table, cls):
+            table = dataclasses.asdict(table)
+        if not isinstance(table, dict):
+            raise ConfigError(f"{name}[{i}] must be a table with {', '.join(hints)}, got {table!r}")
+        for key in table:
+            if key not in hints:
+                close = difflib.get_close_matches(key, list(hints), n=1)
+                raise ConfigError(f"unknown key '{key}' in {name}[{i}]" + (f"; did you mean '{close[0]}'?" if close else
+                                  f"; the keys are {', '.join(hints)}"))
+        out.append(cls(**{k: _coerce(v, hints[k], f"{name}[{i}].{k}") for k, v in table.items()}))
+    return out
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -579,7 +660,12 @@ def to_toml(cfg: JobConfig) -> str:
     lines: list[str] = []
     for section, table in dataclasses.asdict(cfg).items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+        tables = {k: v for k, v in table.items() if isinstance(v, list) and v and isinstance(v[0], dict)}
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None and k not in tables]
+        for key, rows in tables.items():  # arrays of tables ([[data.sources]]) after the plain keys
+            for row in rows:
+                lines += ["", f"[[{section}.{key}]]"] + [f"{k} = {_toml_value(v)}" for k, v in row.items()
+                                                          if v is not None]
         lines.append("")
     return "\n".join(lines)
 

@@ -110,15 +110,19 @@ class Metrics:
 
     def forget_after(self, step: int) -> None:
         """(On resume from ``step``.) Drop the lines of later steps: the resumed run logs
-        them again, and a run stopped between a log and a checkpoint had logged them."""
-        if not self.enabled or not self.path.exists():
+        them again, and a run stopped between a log and a checkpoint had logged them.
+        The same for the sample log (``data.log_samples``), ``samples.jsonl``."""
+        if not self.enabled:
             return
-        lines = self.path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-        if len(kept) != len(lines):
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(kept))
-            tmp.replace(self.path)  # whole or not at all
+        for path in (self.path, self.path.with_name("samples.jsonl")):
+            if not path.exists():
+                continue
+            lines = path.read_text().splitlines(keepends=True)
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+            if len(kept) != len(lines):
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text("".join(kept))
+                tmp.replace(path)  # whole or not at all
 
     def close(self) -> None:
         for writer in self.writers:

@@ -11,8 +11,12 @@ rank stops together, before any rank writes. What is checked:
   would sort both runs' checkpoints by step and delete the new one): ``--resume``, a
   new ``metrics.run_name``, or ``--overwrite`` (which deletes the earlier run's config,
   metrics and checkpoints, and nothing else);
-* the data: the path exists, the train split holds one global micro-batch, and so does
-  the eval split when the run evaluates;
+* the data (:func:`prepare_data`): every source exists and is what it says, raw sources
+  are tokenized once into the cache, ``model.vocab_size`` covers the tokenizer and every
+  token id in the memory maps (the launcher checks this before torchrun starts and tells
+  the ranks so through :data:`DATA_CHECKED`; under an outside torchrun rank 0 checks it
+  and the ranks agree); each source holds a sequence, and the eval split one per source when
+  the run evaluates.
 * a resumed run has steps left to train (``check_steps_left``, after the checkpoint loaded).
 """
 
@@ -24,8 +28,14 @@ import re
 import torch
 import torch.distributed as dist
 
+from fsdp2d.data import DataError, Prepared
+from fsdp2d.data import prepare_data as _prepare
+
 from .config import ConfigError, JobConfig
 from .data import TrainData, resolve_data_path
+
+DATA_CHECKED = "FSDP2D_DATA_CHECKED"
+"""Set by the launcher once it has checked every token id: the ranks skip the scan."""
 
 _STEP = re.compile(r"step_\d+")
 
@@ -74,6 +84,16 @@ def check_data_path(cfg: JobConfig) -> None:
     try:
         resolve_data_path(cfg.data.path)
     except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def prepare_data(cfg: JobConfig, *, progress: bool = True) -> Prepared:
+    """Sources resolved and tokenized (once), vocabulary and ids checked: ConfigError
+    (one line) for anything that would otherwise surface mid-run."""
+    try:
+        scan = os.environ.get(DATA_CHECKED) != "1" and os.environ.get("RANK", "0") == "0"  # one scan per job
+        return _prepare(cfg, progress=progress, scan=scan)
+    except (DataError, FileNotFoundError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
 
 

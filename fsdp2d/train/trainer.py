@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -39,9 +40,11 @@ from fsdp2d import checkpoint as ckpt
 from fsdp2d.hf.export import export_hf
 from fsdp2d.hf.launch import run_tokenizer
 from fsdp2d.hf.weights import load_hf_into
-from fsdp2d.models import GPT2, Llama, gpt2_tp_plan, llama_tp_plan
+from fsdp2d.models import GPT2, Llama, document_ids, gpt2_tp_plan, llama_tp_plan
 from fsdp2d.mesh import axis_size
 from fsdp2d.hf.weights import model_spec
+
+from fsdp2d.data import DataStateError
 
 from . import lock, preflight
 from .config import ConfigError, JobConfig, save_config, validate
@@ -166,9 +169,11 @@ class Trainer:
                                      weight_decay=o.weight_decay)
         self.ckpts = ckpt.CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.checkpoint.keep_last)
         self.step = 0
-        self.document_ids_of = None
-        """Document masking: tokens (B, T) -> document ids (B, T) (e.g. ``functools.partial(
-        fsdp2d.models.document_ids, eos_id=EOS)``), passed to the model each micro-batch; None: off."""
+        self.document_ids_of = functools.partial(document_ids, eos_id=self.data.eos_id, bos_id=self.data.bos_id) \
+            if cfg.data.document_mask else None
+        """Document masking (``data.document_mask``): tokens (B, T) -> document ids (B, T) from
+        the BOS/EOS the data layer closed each document with, passed to the model each
+        micro-batch (train and eval); None: off."""
         self.unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss summed over the world, grad norm)
         writers = build_writers(cfg.metrics, cfg.run_dir, dataclasses.asdict(cfg)) if self.rank == 0 else []
         self.metrics = Metrics(cfg.run_dir, cfg.training.steps, enabled=self.rank == 0, writers=writers)
@@ -190,7 +195,8 @@ class Trainer:
             if self.rank == 0:  # one run per run folder (lock.py), before anything reads or writes it
                 lock.acquire(cfg.run_dir)
             preflight.check_run_folder(cfg)
-            data = build_data(cfg, dp_rank, cfg.dp_degree)
+            prepared = preflight.prepare_data(cfg, progress=self.rank == 0)
+            data = build_data(cfg, dp_rank, cfg.dp_degree, prepared=prepared, warn=self._say)
             preflight.check_data(cfg, data)
         except (ValueError, OSError) as exc:  # ConfigError is a ValueError
             error = str(exc)
@@ -212,6 +218,7 @@ class Trainer:
                 preflight.clear_earlier_run(self.cfg)
             save_config(self.cfg, self.cfg.run_dir / "config.toml")
             print(self._start_line(), flush=True)
+            print(self.data.describe(), flush=True)
         if dist.get_world_size() > 1:
             dist.barrier()
 
@@ -229,22 +236,31 @@ class Trainer:
         export = hf or ("none (no checkpoint)" if self.cfg.checkpoint.export_hf else "off (checkpoint.export_hf)")
         return f"done: step {self.step} of {self.cfg.training.steps}; {saved}; HF export: {export}"
 
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
     # -- resume ------------------------------------------------------------------------
     def maybe_resume(self) -> None:
         """Continue from the newest checkpoint that verifies, when asked to or after a
         torchrun restart; a corrupt newer one is skipped and logged (a crash loop under
         ``--max-restarts`` otherwise). CheckpointError if there are checkpoints and none
-        loads (e.g. another model size); model and optimizer are then as built."""
+        loads (e.g. another model size); model and optimizer are then as built. A sound
+        checkpoint whose data position this run cannot continue (the data or [data]
+        changed) is a ConfigError saying so, and no older one is tried. Without a
+        checkpoint to resume, ``checkpoint.init_from`` starts the run from its weights."""
         if not preflight.resuming(self.cfg):
-            return
+            return self._init_from()
         failures = []
         for step in reversed(self.ckpts.steps()):
             path = self.ckpts.path(step)
             try:
                 extra = ckpt.load(path, self.model, self.opt)  # collective: all ranks fail together
                 step, data_state, rng = int(extra["step"]), extra["data"], extra["rng"]
-                self.data.train.load_state_dict(data_state)
+                self.data.load_state_dict(data_state)
                 _set_rng_state(rng)
+            except DataStateError as exc:  # the same on every rank: a pure function of config and state
+                raise ConfigError(f"{path} is a sound checkpoint, but {exc}") from None
             except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # (CheckpointError too)
                 failures.append(f"{path}: {exc!r}" if isinstance(exc, KeyError) else f"{exc}")
                 if self.rank == 0:
@@ -259,9 +275,19 @@ class Trainer:
             raise ckpt.CheckpointError(f"no checkpoint in {self.ckpts.folder} loads into this run; the newest "
                                        f"says: {failures[0]}")
         self.metrics.forget_after(0)  # no checkpoint: the run starts again from step 0
+        self._init_from()
+
+    def _init_from(self) -> None:
+        """``checkpoint.init_from``: its weights (and optimizer state if asked), step 0, this run's data."""
+        c = self.cfg.checkpoint
+        if not c.init_from:
+            return
+        ckpt.load(c.init_from, self.model, self.opt if c.init_from_optimizer else None)
+        self._say(f"initialised from {c.init_from} ({'weights and optimizer state' if c.init_from_optimizer else 'weights'}"
+                  f"), step 0 with this run's data")
 
     def save(self) -> None:
-        extra = {"step": self.step, "data": self.data.train.state_dict(), "rng": _rng_state(),
+        extra = {"step": self.step, "data": self.data.state_dict(), "rng": _rng_state(),
                  "model": model_spec(self.model)}  # lets `export --format hf` write config.json
         if (tokenizer := run_tokenizer(self.cfg)) is not None:  # for `generate` and the HF export, from anywhere
             extra["tokenizer"] = tokenizer
@@ -343,7 +369,7 @@ class Trainer:
         every = cfg.checkpoint.every
         record: dict = {}
         t0, step0 = time.perf_counter(), self.step  # since the last read
-        first = self.step + 1
+        first_step = self.step + 1
         while self.step < stop:
             step = self.step + 1
             lr = cfg.optim.lr_at(self.step, t.steps)
@@ -352,17 +378,20 @@ class Trainer:
             evaluate = bool(t.eval_every) and step % t.eval_every == 0
             log = step % t.log_every == 0 or step == stop or evaluate
             save = (bool(every) and step % every == 0) or step == stop
+            first = self.data.train.samples
             values = self.train_step(self.data.train, read=log or save)
             self.step = step
-            if step == first:  # (on CUDA: once the host has queued it, unless it was read)
+            if step == first_step:  # (on CUDA: once the host has queued it, unless it was read)
                 self.say(f"step {step} done: start-up complete")
+            if cfg.data.log_samples and self.rank == 0:
+                self.data.log_samples(cfg.run_dir / "samples.jsonl", step, first, self.data.train.samples)
             if values is None:
                 continue
             dt = (time.perf_counter() - t0) / (step - step0)
             record = {"step": step, "loss": values[0], "lr": lr, "grad_norm": values[1],
                       **throughput(tokens_per_step, dt, dist.get_world_size(), self.flops_per_token, self.peak),
-                      "tokens_seen": step * tokens_per_step,
-                      "peak_mem_mib": peak_memory_mib(cfg.parallel.device), "step_time_s": dt}
+                      "peak_mem_mib": peak_memory_mib(cfg.parallel.device), "step_time_s": dt,
+                      **self.data.metrics()}  # samples_seen, tokens_seen, epoch, shares
             if evaluate:
                 record["eval_loss"] = self.evaluate()
             if log:

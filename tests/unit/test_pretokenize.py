@@ -7,9 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp2d.train.config import ConfigError, load_config
+from fsdp2d.data import open_store, prepare_data
+from fsdp2d.data.pretokenize import main, pretokenize
+from fsdp2d.data.store import TOKENS
+from fsdp2d.train.config import load_config
 from fsdp2d.train.data import load_tokens
-from fsdp2d.train.pretokenize import TOKENS, apply_pretokenize, main, pretokenize
 
 tokenizers = pytest.importorskip("tokenizers")
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,9 +54,10 @@ def test_pretokenize_matches_the_in_memory_stream_and_is_reused(corpus, tmp_path
     src, tok = corpus
     out = tmp_path / "tok"
     manifest = pretokenize(src, out, str(tok), workers=2, progress=False)
-    assert manifest["format"] == "uint16" and manifest["vocab_size"] == 400
+    assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["vocab_size"] == 400
+    assert manifest["documents"] == len(list(src.iterdir()))  # one document per text file
     text = load_tokens(_text_cfg(src, tok))
-    cfg = load_config(None, [f"--data.path={out}", "--data.format=uint16"]).data
+    cfg = load_config(None, [f"--data.path={out}"]).data  # format=auto: a token store
     binary = load_tokens(cfg)
     assert np.array_equal(binary.read(0, len(binary)), text.read(0, len(text)).astype(np.uint16))
     before = (out / TOKENS).stat().st_mtime_ns
@@ -62,25 +65,27 @@ def test_pretokenize_matches_the_in_memory_stream_and_is_reused(corpus, tmp_path
     assert (out / TOKENS).stat().st_mtime_ns == before  # unchanged sources: nothing redone
     (src / "zz_utf8.txt").write_text("changed\n")
     try:
-        assert pretokenize(src, out, str(tok), workers=1, progress=False)["tokens"] != manifest["tokens"]
+        assert pretokenize(src, out, str(tok), workers=0, progress=False)["tokens"] != manifest["tokens"]
     finally:
         (src / "zz_utf8.txt").write_text("naïve café ✓\n")
 
 
-def test_train_option_and_cli(corpus, tmp_path, capsys):
+def test_train_cache_and_cli(corpus, tmp_path, capsys):
+    """``data.pretokenize=DIR``: the launcher tokenizes each raw source once into DIR (a
+    store per source) and every rank memory-maps it; the CLI prints what it wrote."""
     src, tok = corpus
-    overrides = [f"--data.path={src}", f"--data.tokenizer={tok}", f"--data.pretokenize={tmp_path / 'p'}"]
-    cfg = load_config(None, overrides)
-    with pytest.raises(ConfigError, match="missing or stale: run `fsdp2d pretokenize"):
-        apply_pretokenize(cfg, may_work=False)  # a rank under an outside torchrun only checks
-    assert main([str(src), str(tmp_path / "p"), "--tokenizer", str(tok), "--workers", "2"]) == 0
+    cfg = load_config(None, [f"--data.path={src}", f"--data.tokenizer={tok}", f"--data.pretokenize={tmp_path / 'p'}",
+                             "--model.vocab_size=400", "--data.workers=0"])
+    store = prepare_data(cfg, progress=False).stores[0]
+    assert store.path.parent == tmp_path / "p" and isinstance(store.parts[0], np.memmap)
+    assert np.array_equal(store.parts[0], load_tokens(cfg.data).read(0, store.tokens))
+    assert main([str(src), str(tmp_path / "cli"), "--tokenizer", str(tok), "--workers", "2"]) == 0
     out = capsys.readouterr()
-    assert "pretokenize [" in out.err and "ETA" in out.err and "tokens (uint16, vocab 400)" in out.out
-    apply_pretokenize(cfg, may_work=False)
-    assert cfg.data.path == str(tmp_path / "p") and cfg.data.format == "uint16"
+    assert "pretokenize [" in out.err and "ETA" in out.err and "(uint16, vocab 400, bos none, eos none)" in out.out
+    assert open_store(tmp_path / "cli").tokens == store.tokens
     bytes_cfg = load_config(None, [f"--data.path={src}", f"--data.pretokenize={tmp_path / 'b'}"])
-    apply_pretokenize(bytes_cfg, may_work=True)
-    assert os.path.getsize(tmp_path / "b" / TOKENS) == 2 * sum(f.stat().st_size for f in src.iterdir())
+    bytes_store = prepare_data(bytes_cfg, progress=False).stores[0]
+    assert os.path.getsize(bytes_store.path / TOKENS) == sum(f.stat().st_size for f in src.iterdir())  # uint8
 
 
 def test_an_output_that_is_an_input_is_refused(tmp_path, capsys):
@@ -89,7 +94,7 @@ def test_an_output_that_is_an_input_is_refused(tmp_path, capsys):
     d.mkdir()
     (d / "tokens.bin").write_bytes(b"precious text")
     with pytest.raises(ValueError, match="is the input"):
-        pretokenize(d / "tokens.bin", d, workers=1, progress=False)
+        pretokenize(d / "tokens.bin", d, workers=0, progress=False)
     assert main([str(d / "tokens.bin"), str(d)]) == 1
     assert "is the input" in capsys.readouterr().err
     assert (d / "tokens.bin").read_bytes() == b"precious text"
@@ -100,5 +105,10 @@ def test_bad_arguments_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "nope" in err
     with pytest.raises(SystemExit):
-        main([str(tmp_path), str(tmp_path / "out"), "--workers", "0"])
-    assert "--workers=0" in capsys.readouterr().err
+        main([str(tmp_path), str(tmp_path / "out"), "--workers", "-1"])
+    assert "--workers=-1" in capsys.readouterr().err
+    (tmp_path / "not_a_tokenizer.json").write_text("{}")
+    (tmp_path / "a.txt").write_text("text")
+    assert main([str(tmp_path / "a.txt"), str(tmp_path / "o"), "--tokenizer", str(tmp_path / "not_a_tokenizer.json")]) == 1
+    err = capsys.readouterr().err  # issue 32: a 15-line traceback before
+    assert err.count("\n") == 1 and "is not a Hugging Face tokenizer.json" in err and not (tmp_path / "o").exists()

@@ -82,3 +82,28 @@ def test_help_lists_the_subcommands(capsys):
     assert cli.main([]) == 2 and cli.main(["nope"]) == 2
     err = capsys.readouterr().err
     assert "plan" in err and "nope" in err, err
+
+
+def test_vocabulary_is_checked_before_torchrun_starts(launches, capsys, tmp_path):
+    """Issues 29 and 32 (item 13): model.vocab_size against the tokenizer, and every token
+    id of the corpus, in the launcher: one line, exit code 2, no rank started (before:
+    41 s into the start, 139 lines; a bad id a third of the way in, 33 steps of training)."""
+    import numpy as np
+
+    from fsdp2d.data import save_tokens
+
+    from .data_corpus import bpe, texts, write
+
+    pytest.importorskip("tokenizers")
+    tok = bpe(tmp_path / "tok")
+    write(tmp_path / "web.jsonl", texts(20), "jsonl")
+    base = ["--config", CONFIG, f"--metrics.runs_dir={tmp_path / 'runs'}"]
+    code = cli.train([*base, f"--data.path={tmp_path / 'web.jsonl'}", f"--data.tokenizer={tok}"])
+    _one_line_error(capsys, code, "model.vocab_size=256 is smaller than the vocabulary of tokenizer",
+                    "(300 ids): set model.vocab_size=300")
+    ids = np.random.default_rng(0).integers(0, 256, 3000)
+    ids[1001] = 256
+    save_tokens(tmp_path / "t.bin", ids)
+    code = cli.train([*base, f"--data.path={tmp_path / 't.bin'}", "--data.format=uint16"])
+    _one_line_error(capsys, code, "t.bin: token id 256 at token offset 1001")
+    assert not launches

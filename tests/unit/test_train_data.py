@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from fsdp2d.data import Blend, SourceOrder
 from fsdp2d.train.config import load_config
 from fsdp2d.train.data import (
     TokenBatches, TokenStream, build_data, list_files, load_tokenizer, load_tokens,
@@ -31,70 +32,64 @@ def _ids(x: torch.Tensor) -> list[int]:
 
 
 def test_packing_shifts_targets_by_one():
-    loader = TokenBatches(_ramp(10 * T + 1), T, micro_batch=2, shuffle=False)
+    loader = TokenBatches(_ramp(10 * T + 1), T, micro_batch=2)
     x, y = next(loader)
     assert x.shape == y.shape == (2, T) and x.dtype == torch.int64
-    assert torch.equal(x[0], torch.arange(T)) and torch.equal(y[0], torch.arange(1, T + 1))
-    assert torch.equal(x[1], torch.arange(T, 2 * T))
-    assert loader.num_sequences == 10 and loader.batches_per_epoch == 5
+    assert torch.equal(y, x + 1)  # the ramp: each target is the next token
+    assert all(int(r[0]) % T == 0 and torch.equal(r, torch.arange(int(r[0]), int(r[0]) + T)) for r in x)
+    assert loader.orders[0].sequences == 10
 
 
 def test_dp_ranks_get_disjoint_slices_covering_the_batch():
     stream, dp, mb = _ramp(100 * T + 1), 4, 3
     ranks = [TokenBatches(stream, T, mb, r, dp, seed=5) for r in range(dp)]
-    epoch = ranks[0].batches_per_epoch
-    assert epoch == 100 // (dp * mb)
-    seen: set[int] = set()
-    for step in range(epoch):
-        block = [_ids(next(it)[0]) for it in ranks]
-        flat = [i for ids in block for i in ids]
-        assert len(set(flat)) == dp * mb  # disjoint within the global micro-batch
-        perm = np.random.default_rng([5, 0]).permutation(100)
-        assert flat == perm[step * dp * mb:(step + 1) * dp * mb].tolist()  # and covering it
-        assert not seen & set(flat)
-        seen |= set(flat)
-    assert len(seen) == epoch * dp * mb  # no sequence twice in an epoch
-    assert all(it.epoch == 1 and it.step == 0 for it in ranks)
+    perm = np.random.default_rng([5, 0, 0]).permutation(100)
+    seen: list[int] = []
+    for step in range(100 // (dp * mb)):
+        block = [i for it in ranks for i in _ids(next(it)[0])]
+        assert block == perm[step * dp * mb:(step + 1) * dp * mb].tolist()  # disjoint, covering, in order
+        seen += block
+    assert len(set(seen)) == len(seen) == 96  # no sequence twice in an epoch
+    tail = [i for it in ranks for i in _ids(next(it)[0])]  # the next micro-step crosses into epoch 2
+    assert tail[:4] == perm[96:].tolist() and set(tail[4:]) <= set(range(100))
+    assert all(it.samples == 108 for it in ranks)
 
 
 def test_same_rank_twice_gives_identical_batches_and_epochs_reshuffle():
     a, b = (TokenBatches(_ramp(40 * T + 1), T, 2, 1, 2, seed=3) for _ in range(2))
     for (xa, ya), (xb, yb) in itertools.islice(zip(a, b), 25):  # crosses two epochs
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    assert a.sequence_ids(0, 0).tolist() != a.sequence_ids(1, 0).tolist()
-    other_seed = TokenBatches(_ramp(40 * T + 1), T, 2, 1, 2, seed=4)
-    assert a.sequence_ids(0, 0).tolist() != other_seed.sequence_ids(0, 0).tolist()
+    order = a.orders[0]
+    assert [order.locate(j)[1] for j in range(40)] != [order.locate(j)[1] for j in range(40, 80)]
+    other = TokenBatches(_ramp(40 * T + 1), T, 2, 1, 2, seed=4)
+    assert a.sample_ids(0, 8).tolist() != other.sample_ids(0, 8).tolist()
 
 
-@pytest.mark.parametrize("taken", [0, 3, 9, 10, 23])  # 10 batches per epoch
-def test_state_dict_round_trip_resumes_exactly(taken):
+@pytest.mark.parametrize("taken", [0, 3, 9, 10, 23])  # 10 micro-steps per epoch
+def test_state_round_trip_resumes_exactly(taken):
     make = lambda: TokenBatches(_ramp(40 * T + 1), T, 2, 0, 2, seed=7)  # noqa: E731
     run = make()
     for _ in range(taken):
         next(run)
     state = json.loads(json.dumps(run.state_dict()))  # plain ints
+    assert state["samples"] == 4 * taken
     resumed = make()
-    resumed.load_state_dict(state)
+    resumed.samples = state["samples"]
     for (xa, _), (xb, _) in itertools.islice(zip(run, resumed), 12):
         assert torch.equal(xa, xb)
 
 
-def test_resume_with_another_micro_batch_layout():
+def test_resume_with_another_micro_batch_layout_continues_at_the_next_sample():
+    """A batch is a function of the samples consumed: 3 steps of G = 8 then G = 5 (which
+    does not divide 24; refused before issue 29) read samples 24, 25, ... in order."""
     stream = _ramp(48 * T + 1)
-    run = TokenBatches(stream, T, micro_batch=4, dp_rank=0, dp_size=2, seed=1)  # G = 8
+    run = TokenBatches(stream, T, micro_batch=4, dp_rank=0, dp_size=2, seed=1)
     for _ in range(3):
         next(run)
-    state = run.state_dict()
-    nxt = [_ids(run.batch_at(run.epoch, run.step)[0])]
-    nxt += [_ids(TokenBatches(stream, T, 4, 1, 2, seed=1).batch_at(run.epoch, run.step)[0])]
-    four = [TokenBatches(stream, T, 2, r, 4, seed=1) for r in range(4)]  # also G = 8
-    for it in four:
-        it.load_state_dict(state)
-    assert [i for it in four for i in _ids(next(it)[0])] == nxt[0] + nxt[1]
-    with pytest.raises(ValueError, match="cannot resume after 24 sequences"):
-        TokenBatches(stream, T, 5, 0, 1, seed=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="seed=1 but this loader has 2"):
-        TokenBatches(stream, T, 4, 0, 2, seed=2).load_state_dict(state)
+    want = [int(i) for i in run.sample_ids(24, 10)[:, 2]]
+    five = TokenBatches(stream, T, 5, 0, 1, seed=1)
+    five.samples = run.state_dict()["samples"]
+    assert _ids(next(five)[0]) + _ids(next(five)[0]) == want
 
 
 def test_token_stream_reads_across_parts_and_views():
@@ -107,7 +102,7 @@ def test_token_stream_reads_across_parts_and_views():
         v.read(0, 8)
 
 
-def test_split_holds_out_the_end():
+def test_one_document_split_holds_out_its_end():
     train, held_out = split_tokens(_ramp(1000), 0.1)
     assert (len(train), len(held_out)) == (900, 100)
     assert held_out.read(0, 3).tolist() == [900, 901, 902]
@@ -170,24 +165,27 @@ def test_tokenizer_json(tmp_path):
     (tmp_path / "t.txt").write_text("hello world hello")
     cfg = load_config(None, [f"--data.path={tmp_path / 't.txt'}",
                              f"--data.tokenizer={tmp_path / 'tokenizer.json'}"]).data
-    assert load_tokens(cfg).read(0, 3).tolist() == [1, 2, 1]
+    assert load_tokens(cfg).read(0, 3).tolist() == [1, 2, 1]  # no special tokens: none to add
 
 
-def test_stdlib_source_resolves_and_yields_batches():
+def test_stdlib_source_resolves_and_yields_batches(tmp_path):
     root = resolve_data_path("stdlib")
     assert root == Path(os.path.dirname(os.__file__)) and (root / "os.py").is_file()
-    cfg = load_config(None, ["--parallel.dp=2", "--parallel.tp=2", "--data.seq_len=64"])
+    cfg = load_config(None, ["--parallel.dp=2", "--parallel.tp=2", "--data.seq_len=64",
+                             f"--metrics.runs_dir={tmp_path}"])
     data = build_data(cfg, dp_rank=1)
-    assert len(data.train.tokens) > 1_000_000 and data.train.dp_size == 2
+    assert len(data.sources[0].train) > 1_000_000 and data.train.dp_size == 2
+    assert isinstance(data.sources[0].store.parts[0], np.memmap)  # the cache, memory-mapped
     x, y = next(data.train)
     assert x.shape == (8, 64) and torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 256
     first = [next(data.eval_batches())[0] for _ in range(2)]
     assert torch.equal(first[0], first[1])  # evaluation always reads the same batches
+    assert data.bos_id is None and data.eos_id is None  # the byte tokenizer has no special tokens
 
 
 def test_too_little_data_and_out_of_vocab_ids():
-    with pytest.raises(ValueError, match="fewer than one global micro-batch"):
-        TokenBatches(_ramp(3 * T + 1), T, micro_batch=2, dp_rank=0, dp_size=2)
+    with pytest.raises(ValueError, match="no sequence"):
+        TokenBatches(_ramp(T), T, micro_batch=2, dp_rank=0, dp_size=2)
     with pytest.raises(ValueError, match="dp_rank=2 must be in"):
         TokenBatches(_ramp(100), T, 1, dp_rank=2, dp_size=2)
     loader = TokenBatches(_ramp(4 * T + 1), T, 1, vocab_size=T)
