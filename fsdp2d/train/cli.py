@@ -18,8 +18,7 @@ import subprocess
 import sys
 import warnings
 
-import torch.distributed as dist
-
+from ..mesh import shutdown
 from . import preflight
 from .config import ConfigError, help_text, load_config, validate
 from ..hf.launch import apply_init_from
@@ -80,17 +79,19 @@ def train(argv: list[str]) -> int:
 
     from .trainer import Trainer  # imported only in the workers
 
-    trainer = None
+    trainer, clean = None, False
     try:
         try:
             trainer = Trainer(cfg)
             trainer.maybe_resume()
         except (ConfigError, CheckpointError) as exc:  # every rank raises it (they agree)
+            clean = True  # together, between collectives
             if os.environ.get("RANK", "0") == "0":
                 print(f"{'config error' if isinstance(exc, ConfigError) else 'error'}: {exc}", file=sys.stderr)
             return 2
         trainer.start()
         trainer.run()
+        clean = True
     except KeyboardInterrupt:  # Ctrl-C: every rank gets SIGINT (torchrun forwards it)
         if os.environ.get("RANK", "0") == "0":
             print(_interrupted(trainer), file=sys.stderr, flush=True)
@@ -100,10 +101,11 @@ def train(argv: list[str]) -> int:
         # destructed here, on this thread, rather than in the interpreter's exit-time
         # teardown (the benchmark, which did not do this, aborted twice in ~25 runs at
         # exit, after its results, with "terminate called without an active exception").
+        # After Ctrl-C or an exception, collectives may be unfinished: abort, not destroy
+        # (destroying NCCL communicators waits for them).
         trainer = None
         gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(abort=not clean)
     return 0
 
 

@@ -82,3 +82,42 @@ def test_help_lists_the_subcommands(capsys):
     assert cli.main([]) == 2 and cli.main(["nope"]) == 2
     err = capsys.readouterr().err
     assert "plan" in err and "nope" in err, err
+
+
+class _Trainer:
+    """Stands in for the workers' Trainer: ``run`` raises ``error`` (None: finishes)."""
+
+    error: BaseException | None = None
+
+    def __init__(self, cfg) -> None:
+        self.step, self.ckpts = 3, type("C", (), {"latest": lambda self: None})()
+
+    def maybe_resume(self) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def run(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("error,aborts", [(None, False), (RuntimeError("NCCL timeout"), True),
+                                          (KeyboardInterrupt(), True)])
+def test_worker_aborts_process_groups_after_an_exception(monkeypatch, error, aborts):
+    """Issue 30 item 5: after an exception or Ctrl-C some collectives may be unfinished, and
+    destroy_process_group() would wait for them; the worker aborts instead."""
+    from fsdp2d.train import trainer
+
+    calls = []
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(cli, "shutdown", lambda *, abort: calls.append(abort))
+    monkeypatch.setattr(_Trainer, "error", error)
+    monkeypatch.setattr(trainer, "Trainer", _Trainer)
+    if isinstance(error, RuntimeError):
+        with pytest.raises(RuntimeError, match="NCCL timeout"):
+            cli.train(["--config", CONFIG])
+    else:
+        assert cli.train(["--config", CONFIG]) == (130 if error else 0)
+    assert calls == [aborts]
