@@ -235,51 +235,85 @@ def sync_check(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
     return result
 
 
-def run_side(side: str, config: str, a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def make_mesh(side: str, config: str, device: torch.device):
+    """``side``'s mesh of ``config`` over the current world: ``(dp,)`` or ``(dp, tp)``
+    (torch's ``init_device_mesh`` or fsdp2d's; both may live in one world)."""
     _, world, tp = CONFIGS[config]
-    init_fake_world(0, world)
+    shape, names = ((world // tp, tp), ("dp", "tp")) if tp > 1 else ((world,), ("dp",))
+    if side == "torch":
+        from torch.distributed.device_mesh import init_device_mesh
+        return init_device_mesh(device.type, shape, mesh_dim_names=names)
+    return fsdp2d.init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+@dataclasses.dataclass
+class Job:
+    """One side's model, fused AdamW and batch on one mesh: ``step()`` trains once."""
+
+    side: str
+    config: str
+    args: LlamaArgs
+    mesh: Any
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def step(self) -> torch.Tensor:
+        return train_step(self.model, self.opt, self.x, self.y)
+
+
+def prepare(side: str, config: str, a: argparse.Namespace, device: torch.device, mesh) -> Job:
+    """Build ``side``'s model of ``config`` (``a.layers``, ``a.tiny``, ``a.seq``,
+    ``a.batch``) on ``mesh``, its optimizer and one batch (seed 0: both sides get the same)."""
+    args = model_args(config, a.layers, a.tiny, a.seq)
+    torch.manual_seed(0)
+    model = build(side, args, mesh, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    data = torch.randint(0, args.vocab_size, (a.batch, a.seq + 1), device=device)
+    return Job(side, config, args, mesh, model, opt, data[:, :-1].contiguous(), data[:, 1:].contiguous())
+
+
+def job_row(job: Job, a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The figures that do not depend on timing: the job's shape and its local parameters."""
+    _, world, tp = CONFIGS[job.config]
+    return {"config": job.config, "side": job.side, "world": world, "tp": tp, "layers": job.args.n_layers,
+            "seq": a.seq, "batch": a.batch, "device": str(device),
+            "params_local": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                for p in job.model.parameters())}
+
+
+def free_device_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_side(side: str, config: str, a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    init_fake_world(0, CONFIGS[config][1])
+    job = None
     try:
-        shape, names = ((world // tp, tp), ("dp", "tp")) if tp > 1 else ((world,), ("dp",))
-        if side == "torch":
-            from torch.distributed.device_mesh import init_device_mesh
-            mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-        else:
-            mesh = fsdp2d.init_device_mesh(device.type, shape, mesh_dim_names=names)
-        args = model_args(config, a.layers, a.tiny, a.seq)
-        torch.manual_seed(0)
-        model = build(side, args, mesh, device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        data = torch.randint(0, args.vocab_size, (a.batch, a.seq + 1), device=device)
-        x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-
-        def step():
-            return train_step(model, opt, x, y)
-
+        job = prepare(side, config, a, device, make_mesh(side, config, device))
         for _ in range(a.warmup):
-            step()
+            job.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         timer = _Timer(device)
         for _ in range(a.steps):
-            timer.time(step)
+            timer.time(job.step)
         gpu = timer.gpu_ms()
-        out = {"config": config, "side": side, "world": world, "tp": tp, "layers": args.n_layers,
-               "seq": a.seq, "batch": a.batch, "device": str(device),
-               "host_ms": statistics.median(timer.host), "gpu_ms": statistics.median(gpu) if gpu else None,
-               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-               "params_local": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                                   for p in model.parameters())}
-        out["kernels"], busy = profile_kernels(step, device)
+        out = {**job_row(job, a, device), "host_ms": statistics.median(timer.host),
+               "gpu_ms": statistics.median(gpu) if gpu else None,
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+        out["kernels"], busy = profile_kernels(job.step, device)
         out["kernel_ms"] = busy if device.type == "cuda" else None
-        out.update(sync_check(step, device))
+        out.update(sync_check(job.step, device))
         return out
     finally:
         dist.destroy_process_group()
-        model = opt = None  # noqa: F841 - free the device memory before the other side
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        job = None  # noqa: F841 - free the device memory before the other side
+        free_device_memory(device)
 
 
 def _fmt(v: Any, spec: str = ".1f") -> str:

@@ -43,10 +43,10 @@ def main() -> None:
             o.zero_grad()
         if dist.get_rank() == 0:
             print(f"step {step}: loss {loss.item():.6f}  single-process {ref_loss.item():.6f}")
-    wq = model.layers[0].attention.wq.weight
+    wq = model.layers[0].attention.wq.weight  # a torch DTensor: .shape is the global shape
     if dist.get_rank() == 0:
-        print(f"layers.0.attention.wq.weight on rank 0: local shard {tuple(wq.shape)} "
-              f"of {tuple(reference.layers[0].attention.wq.weight.shape)}")
+        print(f"layers.0.attention.wq.weight on rank 0: local shard {tuple(wq.to_local().shape)} "
+              f"of {tuple(wq.shape)} ({wq.placements[0]!r} over tp)")
     dist.destroy_process_group()
 
 

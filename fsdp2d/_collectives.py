@@ -371,7 +371,8 @@ class _Then:
 
 
 _BACKENDS: "weakref.WeakKeyDictionary[Group, str]" = weakref.WeakKeyDictionary()
-DIVIDING_BACKENDS = ("nccl", "fake")  # fake: what `fsdp2d plan` and the scale probes simulate NCCL with
+DIVIDING_BACKENDS = ("nccl", "fake", "emulated")  # NCCL and what stands in for it: the fake group (`fsdp2d plan`,
+# the scale probes) and fsdp2d.testing.emulated_pg (the GPU probe's P3), which divides as NCCL does
 
 
 def _backend(group: Group) -> str:

@@ -25,6 +25,8 @@ def test_tensor_parallel_example_matches_single_process():
     assert len(pairs) == 5, out
     for tp, ref in pairs:  # printed to 6 decimals: equal up to the last digit
         assert abs(float(tp) - float(ref)) <= 2e-6, out
+    # wq (64, 64) is column-wise: each of 4 ranks holds 16 rows (issue 32: it printed (64, 64))
+    assert "local shard (16, 64) of (64, 64) (Shard(dim=0) over tp)" in out, out
 
 
 @pytest.mark.dist

@@ -17,13 +17,22 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--max-shard-gib", type=float, default=5.0, help="split files larger than this")
     ex.add_argument("--format", choices=("fsdp2d", "hf"), default="fsdp2d",
                     help="hf: Hugging Face names and config.json, loadable by transformers")
+    ex.add_argument("--tokenizer", default=None,
+                    help="hf: 'bytes' or a tokenizer.json to write beside the weights (default: the run's, as "
+                         "the checkpoint records it)")
     ins = sub.add_parser("inspect", help="print tensors, shapes, dtypes, mesh and sizes")
     ins.add_argument("ckpt")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "export":
-            write = export_hf if args.format == "hf" else export
-            for path in write(args.ckpt, args.out, max_shard_bytes=int(args.max_shard_gib * 2**30)):
+            size = int(args.max_shard_gib * 2**30)
+            if args.format == "hf":
+                paths = export_hf(args.ckpt, args.out, max_shard_bytes=size, tokenizer=args.tokenizer)
+            elif args.tokenizer:
+                parser.error("--tokenizer goes with --format hf")
+            else:
+                paths = export(args.ckpt, args.out, max_shard_bytes=size)
+            for path in paths:
                 print(path)
         else:
             print(inspect(args.ckpt))

@@ -54,14 +54,15 @@ def write_replacing(out: Path, ckpt: Path, write: Callable[[Path], list[str]]) -
 
 def _swap(stage: Path, out: Path, names: list[str]) -> None:
     """Replace the model files of ``out`` (an earlier export's, whatever its layout) by the
-    complete set in ``stage``. The old ones move aside first, into the stage, so no stale
-    index or shard stays beside the new weights; a failure midway moves them back."""
+    complete set in ``stage``. The old ones (and any file the new set replaces, e.g. a
+    tokenizer) move aside first, into the stage, so no stale index or shard stays beside
+    the new weights; a failure midway moves them back."""
     aside = stage / ".previous"
     aside.mkdir()
     moved, placed = [], []
     try:
         for p in sorted(out.iterdir()):
-            if _MODEL_FILES.fullmatch(p.name) and not p.is_dir():
+            if (_MODEL_FILES.fullmatch(p.name) or p.name in names) and not p.is_dir():  # (a tokenizer too)
                 os.replace(p, aside / p.name)
                 moved.append(p.name)
         for name in names:

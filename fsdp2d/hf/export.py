@@ -13,6 +13,12 @@ Streamed like :func:`fsdp2d.checkpoint.export`: the split into files is planned 
 index, then each file is assembled, written and freed before the next. An earlier export
 in the folder is replaced as a set (``_replace``): a stale index and its shards do not
 stay beside the new weights, and a failed export leaves the previous one whole.
+
+The tokenizer: ``tokenizer=`` (``"bytes"`` or a ``tokenizer.json``), else the one the
+checkpoint records (``extra["tokenizer"]``, saved by ``fsdp2d train``), else none. With one,
+the folder also gets ``tokenizer.json``, ``tokenizer_config.json`` and
+``special_tokens_map.json`` (:mod:`fsdp2d.hf.tokenizer`), and ``config.json`` /
+``generation_config.json`` carry its ``bos_token_id`` / ``eos_token_id``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as st_save
 
+from .tokenizer import tokenizer_files
 from .weights import HFError, Rule, args_from_spec, hf_config, hf_rule
 from ..placement import Box
 from ..checkpoint._files import Folder
@@ -81,19 +88,39 @@ def _plan(index: dict, groups: dict, max_shard_bytes: int) -> list[list[str]]:
 
 
 def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, spec: dict | None = None,
-              max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+              max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None) -> list[Path]:
     """Write checkpoint ``ckpt`` (saved on any mesh) as a Hugging Face folder ``out``.
 
     ``spec`` (``{"arch", "args"}``, see :func:`fsdp2d.hf.weights.model_spec`) defaults to
-    the checkpoint's ``extra["model"]``. Offline, one process. Returns the files written.
-    Raises :class:`~fsdp2d.hf.weights.HFError` when the architecture is unknown or a
-    tensor has no HF name.
+    the checkpoint's ``extra["model"]``; ``tokenizer`` to the checkpoint's
+    ``extra["tokenizer"]`` (see the module doc). Offline, one process. Returns the files
+    written. Raises :class:`~fsdp2d.hf.weights.HFError` when the architecture is unknown, a
+    tensor has no HF name, or the tokenizer cannot be read or has more ids than the model.
     """
     with Folder(ckpt) as folder:
-        return _export_hf(folder, Path(out), spec, max_shard_bytes)
+        return _export_hf(folder, Path(out), spec, max_shard_bytes, tokenizer)
 
 
-def _export_hf(folder: Folder, out: Path, spec: dict | None, max_shard_bytes: int) -> list[Path]:
+def _tokenizer(folder: Folder, tokenizer: str | None, args) -> tuple[dict[str, bytes], dict]:
+    """The tokenizer files to write and its special ids ({} and {} without a tokenizer)."""
+    tokenizer = tokenizer or folder.index.get("extra", {}).get("tokenizer")
+    if not tokenizer:
+        return {}, {}
+    vocab = args.vocab_size
+    try:
+        files, special = tokenizer_files(tokenizer, getattr(args, "max_seq_len", None) or args.block_size)
+        from tokenizers import Tokenizer
+
+        size = Tokenizer.from_str(files["tokenizer.json"].decode()).get_vocab_size(with_added_tokens=True)
+    except Exception as exc:  # tokenizers raises a bare Exception for a damaged file
+        raise HFError(f"tokenizer {tokenizer}: cannot be read ({exc}); export with tokenizer=None to skip it") from exc
+    if size > vocab:
+        raise HFError(f"tokenizer {tokenizer} has {size} ids, the model's vocabulary {vocab}: not this model's")
+    return files, special
+
+
+def _export_hf(folder: Folder, out: Path, spec: dict | None, max_shard_bytes: int,
+               tokenizer: str | None) -> list[Path]:
     index = folder.index
     spec = spec or index.get("extra", {}).get("model") or index.get("model")
     if spec is None:
@@ -102,10 +129,12 @@ def _export_hf(folder: Folder, out: Path, spec: dict | None, max_shard_bytes: in
     arch, args = args_from_spec(spec)
     groups = _hf_groups(index, arch, args.tie_embeddings)
     plan = _plan(index, groups, max_shard_bytes)
-    return write_replacing(out, folder.path, lambda stage: _write_files(folder, stage, plan, groups, arch, args))
+    tok = _tokenizer(folder, tokenizer, args)
+    return write_replacing(out, folder.path, lambda stage: _write_files(folder, stage, plan, groups, arch, args, tok))
 
 
-def _write_files(folder: Folder, out: Path, plan: list[list[str]], groups: dict, arch: str, args) -> list[str]:
+def _write_files(folder: Folder, out: Path, plan: list[list[str]], groups: dict, arch: str, args,
+                 tok: tuple[dict[str, bytes], dict]) -> list[str]:
     """Every file of the export, written (and fsynced) into ``out``; their names."""
     n = len(plan)
     fnames = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -123,9 +152,13 @@ def _write_files(folder: Folder, out: Path, plan: list[list[str]], groups: dict,
     if n > 1:
         _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
         written.append("model.safetensors.index.json")
-    _write_json(out / "config.json", {**hf_config(arch, args), "dtype": dtype})
-    _write_json(out / "generation_config.json", {"_from_model_config": True})
-    return written + ["config.json", "generation_config.json"]
+    files, special = tok
+    ids = {k: special[k] for k in ("bos_token_id", "eos_token_id")} if files else {}
+    _write_json(out / "config.json", {**hf_config(arch, args), **ids, "dtype": dtype})
+    _write_json(out / "generation_config.json", {"_from_model_config": True, **ids})
+    for name, data in files.items():
+        _fsync_write(out / name, data)
+    return written + ["config.json", "generation_config.json", *files]
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -5,10 +5,13 @@ loaded, before validation) copies the HF architecture into ``[model]`` so the us
 checks (TP degree divides the heads, ``seq_len <= max_seq_len``...) see the real model;
 the trainer then loads the weights shard by shard (:func:`fsdp2d.hf.load_hf_into`)
 instead of initialising them. ``checkpoint.export_hf``: rank 0 writes the last
-checkpoint as an HF folder ``RUN/hf`` that ``transformers`` loads.
+checkpoint as an HF folder ``RUN/hf`` that ``transformers`` loads, with the tokenizer
+:func:`run_tokenizer` names (each checkpoint records it).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from ..train.config import JobConfig, read_init_from
 
@@ -28,3 +31,12 @@ def apply_init_from(cfg: JobConfig) -> JobConfig:
         m.dim, m.n_layers, m.n_heads, m.n_kv_heads = a.n_embd, a.n_layer, a.n_head, None
         m.vocab_size, m.norm_eps, m.max_seq_len = a.vocab_size, a.layer_norm_eps, a.block_size
     return cfg
+
+
+def run_tokenizer(cfg: JobConfig) -> str | None:
+    """The run's tokenizer as checkpoints record it: ``"bytes"``, an absolute
+    ``tokenizer.json`` path, or None (token files whose tokenizer the config does not name)."""
+    d = cfg.data
+    if d.tokenizer == "bytes":
+        return "bytes" if d.format == "text" else None
+    return str(Path(d.tokenizer).expanduser().resolve())

@@ -153,7 +153,10 @@ class GPT2(nn.Module):
             retie(self.lm_head, self.wte)  # _apply gave the head its own copy
         return out
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if document_ids is not None:  # per-row positions would be (B, T, C): the SP plan splits wpe's (T, C) output
+            raise NotImplementedError("GPT2.forward: document_ids (document masking) is supported by fsdp2d's "
+                                      "Llama only; use model.name=llama, or pass no document_ids")
         T = tokens.shape[1]  # tokens: (B, T)
         pos = torch.arange(T, device=tokens.device)  # (T,)
         tok_emb = self.wte(tokens)  # (B, T, C)

@@ -38,6 +38,7 @@ from torch import nn
 
 from ._init import init_
 from ._tie import retie
+from .document import document_mask, document_positions
 
 __all__ = [
     "LlamaArgs",
@@ -143,9 +144,10 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, T, H, D) by ``rope`` (T, 2, D/2), half-split pairs; float32 math."""
-    cos = rope[:, 0].unsqueeze(1)  # (T, 1, D/2), broadcasts over heads
-    sin = rope[:, 1].unsqueeze(1)  # (T, 1, D/2)
+    """Rotate ``x`` (B, T, H, D) by ``rope`` (T, 2, D/2), or (B, T, 2, D/2) for positions
+    that differ per row (document masking), half-split pairs; float32 math."""
+    cos = rope[..., 0, :].unsqueeze(-2)  # (T, 1, D/2) or (B, T, 1, D/2), broadcasts over heads
+    sin = rope[..., 1, :].unsqueeze(-2)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)  # (B, T, H, D/2) each
     out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # (B, T, H, D)
@@ -198,7 +200,8 @@ class Attention(nn.Module):
             _trunc_normal(lin.weight, std)
         _trunc_normal(self.wo.weight, out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` (B, 1, T, T) bool, True = may attend (document masking); None: causal."""
         B, T, _ = x.shape  # (B, T, C)
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, Hl, D), Hl = local heads
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, KVl, D)
@@ -206,7 +209,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)  # (B, T, Hl, D)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, Hl, T, D)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, Hl, T, D)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, Hl, T, D)
+        else:  # causal and same-document; the diagonal is always True, so no row is empty
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hl * D)
         return self.wo(out)  # (B, T, C)
 
@@ -248,8 +254,10 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(0.02, self.out_std)
         self.feed_forward.init_weights(0.02, self.out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)  # (B, T, C)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # the mask goes by keyword only when there is one: TP plans prepare (x, rope) by position
+        kw = {} if mask is None else {"mask": mask}
+        h = x + self.attention(self.attention_norm(x), rope, **kw)  # (B, T, C)
         return h + self.feed_forward(self.ffn_norm(h))  # (B, T, C)
 
 
@@ -296,12 +304,30 @@ class Llama(nn.Module):
             retie(self.output, self.tok_embeddings)  # _apply gave the head its own copy
         return out
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens`` (B, T) -> logits (B, T, V).
+
+        ``document_ids`` (B, T) int64 (see :mod:`fsdp2d.models.document`): attention never
+        crosses a document boundary and RoPE positions restart at 0 at each document's first
+        token, so each document's logits are those it would have alone. Under tensor (and
+        sequence) parallelism pass the same full ``(B, T)`` ids as the tokens, on every TP
+        rank: the mask and positions are built here, for the whole sequence that attention
+        sees after its all-gather. None: plain causal attention, positions ``0..T-1``.
+        """
         T = tokens.shape[1]  # tokens: (B, T)
-        rope = self.rope_cache[:T]  # (T, 2, D/2)
+        mask = None
+        if document_ids is None:
+            rope = self.rope_cache[:T]  # (T, 2, D/2)
+        else:
+            if document_ids.shape != tokens.shape:
+                raise ValueError(f"Llama.forward: document_ids has shape {tuple(document_ids.shape)}, the tokens "
+                                 f"{tuple(tokens.shape)}: one document id per token")
+            pos = document_positions(document_ids)  # (B, T); index_select: integer rows, no host sync
+            rope = self.rope_cache.index_select(0, pos.flatten()).unflatten(0, pos.shape)  # (B, T, 2, D/2)
+            mask = document_mask(document_ids)  # (B, 1, T, T)
         h = self.tok_embeddings(tokens)  # (B, T, C)
         for layer in self.layers:
-            h = layer(h, rope)  # (B, T, C)
+            h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)  # (B, T, C)
         return self.output(self.norm(h))  # (B, T, V)
 
     def num_params(self, exclude_embedding: bool = False) -> int:

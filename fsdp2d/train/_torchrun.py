@@ -1,31 +1,51 @@
-"""torchrun as ``fsdp2d train`` launches it: ``torch.distributed.run`` quiet about Ctrl-C.
+"""torchrun as ``fsdp2d train`` launches it: ``torch.distributed.run``, quiet.
 
-On SIGINT torchrun logs one warning per worker it signals and dies with a SignalException
-traceback; the workers stop on their own (rank 0 prints where the run stopped and how to
-continue it, see ``cli.train``), so those lines say nothing and are dropped. Every other
-message (a worker failure, a restart) is torchrun's as usual.
+* On SIGINT torchrun logs one warning per worker it signals and dies with a SignalException
+  traceback; the workers stop on their own (rank 0 prints where the run stopped and how to
+  continue it, see ``cli.train``), so those lines say nothing and are dropped.
+* When a worker fails, torchrun logs a line per worker and raises ``ChildFailedError``,
+  whose traceback and report run to 25-140 lines. The workers have already said what went
+  wrong (:mod:`fsdp2d.train.failure`): the log lines are dropped, the report goes to the
+  run folder's ``logs/torchrun.log`` when no worker explained itself, and this process
+  prints the one line and exits with the worker's code (2: refused, 1: a bug or a crash).
+
+Every other message (a restart under ``--max-restarts``) is torchrun's as usual.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.run import main
-
-_NOISE = ("death signal", "closing signal", "Got termination signal")
+_NOISE = ("death signal", "closing signal", "Got termination signal", "failed (exitcode:")
 
 
-class _DropSignalNoise(logging.Filter):
+class _DropNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(s in record.getMessage() for s in _NOISE)
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from .failure import RUN_DIR_ENV, child_failed
+
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
-        logging.getLogger(name).addFilter(_DropSignalNoise())
+        logging.getLogger(name).addFilter(_DropNoise())
     try:
-        main(sys.argv[1:])
+        run(parse_args(argv))
     except SignalException as exc:  # Ctrl-C or a SIGTERM: the workers were stopped
-        sys.exit(128 + int(exc.sigval))
+        return 128 + int(exc.sigval)
+    except ChildFailedError as exc:
+        return child_failed(exc, os.environ.get(RUN_DIR_ENV))
+    return 0
+
+
+if __name__ == "__main__":
+    from ._shadow import exit_if_shadowed
+
+    exit_if_shadowed()
+    sys.exit(main(sys.argv[1:]))

@@ -6,7 +6,10 @@
 many nodes, e.g. inside a SLURM allocation) it uses their environment. After a torchrun
 restart (``--max-restarts``) it resumes from the latest checkpoint that verifies.
 Mistakes found before the run starts (config, device, run folder, data: see
-``preflight``) are one line on stderr and exit code 2, with nothing written.
+``preflight``) are one line on stderr and exit code 2, with nothing written. Failures in
+the workers end the same way, never with torchrun's report: one line, exit code 2 (1 for
+an unexpected exception), the traceback in ``RUN/logs/`` (see :mod:`fsdp2d.train.failure`).
+Start-up prints a line per phase, timed from the command (``[+3.2s] mesh ...``).
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import warnings
+from pathlib import Path
 
 from ..mesh import shutdown
-from . import preflight
-from .config import ConfigError, help_text, load_config, validate
+from . import lock, preflight
+from ._shadow import exit_if_shadowed
+from .config import ConfigError, JobConfig, help_text, load_config, validate
+from .failure import LAUNCHER_ENV, RUN_DIR_ENV, worker_failed
+from .metrics import T0_ENV
 from ..hf.launch import apply_init_from
 from .pretokenize import apply_pretokenize
 
@@ -53,6 +61,7 @@ def train(argv: list[str]) -> int:
               "[--section.key=value ...]\n")
         print(help_text())
         return 0
+    t0 = time.time()
     try:
         config, overrides, overlays = _split(argv)
         cfg = apply_init_from(load_config(config, overrides, overlays))
@@ -61,34 +70,45 @@ def train(argv: list[str]) -> int:
             validate(cfg)
             preflight.check_device(cfg)
             preflight.check_data_path(cfg)
+            lock.holder(cfg.run_dir)
             preflight.check_run_folder(cfg)
             nproc = cfg.parallel.nproc or cfg.world_size
             cmd = [sys.executable, "-m", "fsdp2d.train._torchrun", "--standalone", "--nproc_per_node", str(nproc),
                    "-m", "fsdp2d.train", *argv]
-            return _launch(cmd)
+            print(f"[+{time.time() - t0:.1f}s] config {config or '(defaults)'} checked; starting {nproc} "
+                  f"process{'es' if nproc > 1 else ''} (torchrun), run folder {cfg.run_dir}", flush=True)
+            return _launch(cmd, env=_child_env(cfg, nproc, t0))
     except ConfigError as exc:
+        if "LOCAL_RANK" in os.environ:  # a worker: said once, by the launcher or rank 0
+            return worker_failed(exc, Path("."), int(os.environ.get("RANK", "0")))
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    return _worker(cfg)
+
+
+def _child_env(cfg: JobConfig, nproc: int, t0: float) -> dict[str, str]:
+    """The environment of the launched torchrun and its workers."""
+    env = dict(os.environ, **{LAUNCHER_ENV: "1", RUN_DIR_ENV: str(Path(cfg.run_dir).resolve()), T0_ENV: repr(t0)})
+    env["PYTHONSAFEPATH"] = "1"  # no current directory on sys.path: a folder named fsdp2d there cannot hide us
+    if nproc > 1:  # torchrun's own default, set here so that it does not print a banner about it
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _worker(cfg: JobConfig) -> int:
+    """A torchrun worker's run; every failure ends as :mod:`~fsdp2d.train.failure` says."""
     if os.environ.get("RANK", "0") != "0":
         # torch warns once per process: rank 0's copy is shown, once. Not silenced: on a
         # CPU mesh torch has no DTensor RNG tracker, so a random op on a DTensor draws
         # every rank's shard from the same generator state (fsdp2d's models initialise
         # through fsdp2d.models._init.init_, which does not; a user's own init may).
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-    from fsdp2d.checkpoint import CheckpointError
-
     from .trainer import Trainer  # imported only in the workers
 
     trainer, clean = None, False
     try:
-        try:
-            trainer = Trainer(cfg)
-            trainer.maybe_resume()
-        except (ConfigError, CheckpointError) as exc:  # every rank raises it (they agree)
-            clean = True  # together, between collectives
-            if os.environ.get("RANK", "0") == "0":
-                print(f"{'config error' if isinstance(exc, ConfigError) else 'error'}: {exc}", file=sys.stderr)
-            return 2
+        trainer = Trainer(cfg)
+        trainer.maybe_resume()
         trainer.start()
         trainer.run()
         clean = True
@@ -96,7 +116,10 @@ def train(argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(_interrupted(trainer), file=sys.stderr, flush=True)
         return 130
+    except Exception as exc:  # noqa: BLE001  (one line and the traceback in RUN/logs, never a traceback here)
+        return worker_failed(exc, cfg.run_dir, int(os.environ.get("RANK", "0")))
     finally:
+        lock.release_all()
         # Free the model (and its reference cycles) first, so the process groups are
         # destructed here, on this thread, rather than in the interpreter's exit-time
         # teardown (the benchmark, which did not do this, aborted twice in ~25 runs at
@@ -109,10 +132,10 @@ def train(argv: list[str]) -> int:
     return 0
 
 
-def _launch(cmd: list[str]) -> int:
+def _launch(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run torchrun; on Ctrl-C (which reaches torchrun and us alike) wait for it to stop
     its workers rather than kill it, so rank 0 can say where the run stopped."""
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env=env)
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -146,6 +169,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_if_shadowed()
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(_usage(), end="")
@@ -163,11 +187,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return import_module(f"fsdp2d.train.{argv[0]}").main(argv[1:])
     if argv[0] == "plot":
-        from .plot import plot
+        from .plot import main as plot_main
 
-        for run_dir in argv[1:]:
-            print(plot(run_dir))
-        return 0
+        return plot_main(argv[1:])
     return train(argv[1:])
 
 

@@ -277,8 +277,8 @@ class MetricsConfig:
     runs_dir: str = "runs"
     """Parent folder of run folders (resolved config, metrics, checkpoints)."""
     peak_flops: float | None = None
-    """Peak FLOP/s of one device for MFU; None = device default (H100 989e12 bf16,
-    A100 312e12; CPU: measured)."""
+    """Peak FLOP/s of one device for MFU; None = the CUDA device's dense bf16 peak when
+    fsdp2d knows it (H100/H200 SXM 989.5e12, A100 312e12), else no MFU (CPU: none)."""
     tensorboard: bool = False
     """Also write TensorBoard event files to ``RUN/tensorboard`` (needs ``pip install
     tensorboard``; fsdp2d does not install it)."""

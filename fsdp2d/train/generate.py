@@ -1,17 +1,27 @@
 """``fsdp2d generate CKPT --prompt "..."``: sample text from a checkpoint on one process.
 
 The checkpoint (saved on any mesh) is read into an unparallelized fsdp2d model built
-from its ``extra["model"]`` spec (written by the launcher); the tokenizer is the run's
-(``data.tokenizer`` in ``RUN/config.toml`` next to ``RUN/checkpoints/``) unless
-``--tokenizer`` names one. Sampling: temperature (0 = greedy) and top-k, seeded. No KV
-cache: each new token re-runs the (short) context, which is plenty for small models.
+from its ``extra["model"]`` spec (written by the launcher). The tokenizer, unless
+``--tokenizer`` names one, is the run's, found from any directory: the absolute path the
+checkpoint records (``extra["tokenizer"]``), else ``data.tokenizer`` of ``RUN/config.toml``
+(next to ``RUN/checkpoints/``), which a relative path is read against the folder the run
+was started from (the run folder less ``metrics.runs_dir/run_name``), then against the
+current one. Sampling: temperature (0 = greedy) and top-k, seeded. No KV cache: each new
+token re-runs the (short) context, which is plenty for small models.
+
+On CPU, with ``OMP_NUM_THREADS`` unset, torch gets one thread per core this process may
+use that the load average leaves idle (at least one): on a busy machine extra threads
+spin against the other processes (measured in issue 32: 91 s at load ~10 with the
+default, 15 s with one thread). Progress goes to stderr, the text to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -21,7 +31,7 @@ from fsdp2d import checkpoint
 from fsdp2d.models import GPT2, Llama
 from fsdp2d.hf.weights import HFError, args_from_spec
 
-__all__ = ["load_model", "sample", "main"]
+__all__ = ["load_model", "sample", "find_tokenizer", "cpu_threads", "main"]
 
 
 def load_model(ckpt: str | Path) -> torch.nn.Module:
@@ -39,12 +49,17 @@ def load_model(ckpt: str | Path) -> torch.nn.Module:
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, ids: list[int], max_new_tokens: int, *, temperature: float = 0.8,
-           top_k: int | None = 50, seed: int = 0) -> list[int]:
-    """``ids`` followed by ``max_new_tokens`` sampled tokens (greedy at temperature 0)."""
+           top_k: int | None = 50, seed: int = 0, progress=None, every_s: float = 5.0) -> list[int]:
+    """``ids`` followed by ``max_new_tokens`` sampled tokens (greedy at temperature 0).
+    ``progress(n)`` is called every ``every_s`` seconds with the tokens generated so far."""
     limit = model.args.max_seq_len if isinstance(model, Llama) else model.args.block_size
     gen = torch.Generator().manual_seed(seed)
     out = list(ids)
-    for _ in range(max_new_tokens):
+    shown = time.perf_counter()
+    for n in range(max_new_tokens):
+        if progress is not None and time.perf_counter() - shown > every_s:
+            progress(n)
+            shown = time.perf_counter()
         context = torch.tensor([out[-limit:]])  # (1, T)
         logits = model(context)[0, -1].float()  # (V,)
         if temperature <= 0:
@@ -58,12 +73,41 @@ def sample(model: torch.nn.Module, ids: list[int], max_new_tokens: int, *, tempe
     return out
 
 
+def cpu_threads() -> int:
+    """Threads for a CPU run (see the module doc); ``OMP_NUM_THREADS`` wins when set."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    idle = cores - os.getloadavg()[0] if hasattr(os, "getloadavg") else cores
+    return max(1, min(cores, int(idle + 0.5)))
+
+
+def find_tokenizer(ckpt: Path, index: dict | None = None) -> str:
+    """The run's tokenizer for checkpoint ``ckpt``: ``"bytes"`` or an existing file path
+    (module doc); ValueError naming the places tried when the recorded file is gone."""
+    recorded = (index or {}).get("extra", {}).get("tokenizer")
+    if recorded == "bytes" or (recorded and Path(recorded).is_file()):
+        return recorded
+    run = ckpt.resolve().parent.parent
+    config = tomllib.loads((run / "config.toml").read_text()) if (run / "config.toml").is_file() else {}
+    name = config.get("data", {}).get("tokenizer", "bytes")
+    if name == "bytes":
+        return name
+    tried = [Path(name).expanduser()]
+    runs_dir = Path(config.get("metrics", {}).get("runs_dir", "runs"))
+    if not tried[0].is_absolute() and not runs_dir.is_absolute() and len(runs_dir.parts) < len(run.parents):
+        tried.insert(0, run.parents[len(runs_dir.parts)] / name)  # the folder the run was started in
+    found = next((p for p in tried if p.is_file()), None)
+    if found is None:
+        where = " or ".join(str(p) for p in ([Path(recorded)] if recorded else []) + tried)
+        raise ValueError(f"the run's tokenizer is not at {where}: pass --tokenizer PATH")
+    return str(found)
+
+
 def _codec(ckpt: Path, tokenizer: str | None):
     """(encode, decode) of the run's tokenizer (bytes when nothing says otherwise)."""
     if tokenizer is None:
-        config = ckpt.parent.parent / "config.toml"
-        tokenizer = tomllib.loads(config.read_text()).get("data", {}).get("tokenizer", "bytes") \
-            if config.is_file() else "bytes"
+        tokenizer = find_tokenizer(ckpt, checkpoint.read_index(ckpt))
     if tokenizer == "bytes":
         return (lambda s: list(s.encode())), (lambda ids: bytes(i % 256 for i in ids).decode(errors="replace"))
     from tokenizers import Tokenizer
@@ -77,6 +121,8 @@ def _prompt_ids(ckpt: Path, tokenizer: str | None, prompt: str, model: torch.nn.
     outside the model's vocabulary (a tokenizer that is not the run's)."""
     try:
         encode, _ = _codec(ckpt, tokenizer)
+    except ValueError:
+        raise
     except Exception as exc:  # tokenizers raises a bare Exception for a missing or damaged file
         raise ValueError(f"--tokenizer {tokenizer}: cannot be read: {exc}") from exc
     ids = encode(prompt)
@@ -102,14 +148,20 @@ def main(argv: list[str]) -> int:
                         ("--temperature", args.temperature)):
         if not (math.isfinite(value) and value >= 0):
             parser.error(f"{flag}={value} must be a finite number >= 0")
-    ckpt = Path(args.ckpt)
+    ckpt, t0 = Path(args.ckpt), time.perf_counter()
+    torch.set_num_threads(cpu_threads())
+    say = lambda what: print(f"[+{time.perf_counter() - t0:.1f}s] {what}", file=sys.stderr, flush=True)  # noqa: E731
     try:
         model = load_model(ckpt)
         ids = _prompt_ids(ckpt, args.tokenizer, args.prompt, model)
     except (checkpoint.CheckpointError, HFError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    say(f"loaded {ckpt} ({sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}); "
+        f"generating {args.max_new_tokens} tokens")
     _, decode = _codec(ckpt, args.tokenizer)
-    out = sample(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    out = sample(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                 progress=lambda n: say(f"{n}/{args.max_new_tokens} tokens"))
     print(decode(out))
     return 0

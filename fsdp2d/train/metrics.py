@@ -1,20 +1,26 @@
-"""Training metrics: ``metrics.jsonl``, a console progress line, MFU and peak memory.
+"""Training metrics: ``metrics.jsonl``, a console progress line, MFU, peak memory, and the
+start-up progress lines.
 
 Only rank 0 writes. Each logged step is one JSON object with at least ``step``, ``loss``,
-``lr``, ``grad_norm``, ``tokens_per_s``, ``mfu`` and ``peak_mem_mib``; evaluation adds
-``eval_loss``; on CUDA ``max_mem_reserved_mib`` and ``num_alloc_retries`` come too
-(:func:`allocator_metrics`). Loss and gradient norm are the logged step's; ``tokens_per_s``,
-``step_time_s`` and MFU are the mean over the steps since the previous logged (or
-checkpointed) step, the only steps at which the trainer reads device values (see
-:mod:`fsdp2d.train.trainer`). MFU = achieved model FLOP/s (6 N + 12 L H d_head T per
-token, the model's ``flops_per_token``) over the peak of all ranks:
-``metrics.peak_flops`` per device when set, H100/A100 bf16 defaults on CUDA, and on CPU
-a matmul peak measured at start-up on one thread (what each rank gets here).
+``lr``, ``grad_norm``, ``tokens_per_s`` (the whole job), ``tokens_per_s_per_gpu`` (per
+rank: the job's rate over the world size, as ``fsdp2d plan`` reports it),
+``tokens_seen`` (``step * global_batch * seq_len``) and ``peak_mem_mib``, and ``mfu``
+where the device's peak is known; evaluation adds ``eval_loss``; on CUDA
+``max_mem_reserved_mib`` and ``num_alloc_retries`` come too (:func:`allocator_metrics`). Loss and gradient norm
+are the logged step's; throughput, ``step_time_s`` and MFU are the mean over the steps
+since the previous logged (or checkpointed) step, the only steps at which the trainer
+reads device values (see :mod:`fsdp2d.train.trainer`). MFU = achieved model FLOP/s per
+device (6 N + 12 L H d_head T per token, the model's ``flops_per_token``, times
+``tokens_per_s_per_gpu``) over the device's dense bf16 peak: ``metrics.peak_flops`` when
+set, else the CUDA device's by name (:func:`device_peak`); no ``mfu`` on CPU or on a GPU
+not in the table (a CPU "peak" is not a figure anyone compares against). Metrics files
+of earlier versions (with a per-job ``tokens_per_s`` only) read as before.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -23,30 +29,49 @@ from typing import Any, Sequence
 
 import torch
 
-GPU_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
+_VARIANTS_ELSEWHERE = ("PCIe", "NVL")
+"""H100/H200 variants with a lower peak than the SXM parts of fsdp2d.plan's GPU table."""
+T0_ENV = "FSDP2D_T0"
+"""When ``fsdp2d train`` started (``time.time()``), for the workers' progress lines."""
 
 
-def measure_cpu_peak(n: int = 256, reps: int = 20) -> float:
-    """FLOP/s of an fp32 n x n matmul on this process's threads (best of ``reps``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
-def device_peak(device: str, configured: float | None) -> float:
+def device_peak(device: str, configured: float | None) -> float | None:
+    """One device's dense bf16 peak FLOP/s for MFU: ``configured``; else, on CUDA, the
+    datasheet figure of :data:`fsdp2d.plan.estimate.GPUS` (H100/H200 SXM, A100) when the
+    device name says which; else None (no MFU: set ``metrics.peak_flops``)."""
     if configured:
         return configured
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-        for key, peak in GPU_PEAKS.items():
-            if key in name:
-                return peak
-        return GPU_PEAKS["A100"]
-    return measure_cpu_peak()
+    if device != "cuda":
+        return None
+    from fsdp2d.plan.estimate import GPUS
+
+    name = torch.cuda.get_device_name()
+    if any(v in name for v in _VARIANTS_ELSEWHERE) and "A100" not in name:  # (A100 PCIe: the same peak)
+        return None
+    return next((gpu.bf16_flops for key, gpu in GPUS.items() if key.upper() in name), None)
+
+
+def throughput(tokens_per_step: int, step_s: float, world: int, flops_per_token: int,
+               peak: float | None) -> dict[str, float]:
+    """The throughput entries of a logged record (see the module doc)."""
+    job = tokens_per_step / step_s
+    out = {"tokens_per_s": job, "tokens_per_s_per_gpu": job / world}
+    if peak:
+        out["mfu"] = flops_per_token * job / world / peak
+    return out
+
+
+class Progress:
+    """Start-up progress, one line per phase on rank 0: ``[+12.3s] mesh dp=2 x tp=2 ...``,
+    timed from the launch (:data:`T0_ENV`) or from this object's creation."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.t0 = float(os.environ.get(T0_ENV) or time.time())
+
+    def __call__(self, what: str) -> None:
+        if self.enabled:
+            print(f"[+{time.time() - self.t0:.1f}s] {what}", flush=True)
 
 
 def peak_memory_mib(device: str) -> float:
@@ -65,6 +90,14 @@ def allocator_metrics(device: str) -> dict[str, float]:
     stats = torch.cuda.memory_stats()
     return {"max_mem_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
             "num_alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
+def _si(n: float) -> str:
+    """1234567 -> '1.2M'."""
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
 
 
 class Metrics:
@@ -123,8 +156,15 @@ class Metrics:
         width = 24
         filled = int(width * step / max(self.total, 1))
         bar = "#" * filled + "." * (width - filled)
-        text = (f"[{bar}] step {step}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-                f"{record['tokens_per_s']:.0f} tok/s mfu {100 * record['mfu']:.2f}%")
+        text = f"[{bar}] step {step}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+        if "tokens_per_s_per_gpu" in record:
+            text += f"{record['tokens_per_s_per_gpu']:.0f} tok/s/GPU ({record['tokens_per_s']:.0f} job)"
+        else:  # (records of earlier versions)
+            text += f"{record['tokens_per_s']:.0f} tok/s"
+        if "mfu" in record:
+            text += f" mfu {100 * record['mfu']:.1f}%"
+        if "tokens_seen" in record:
+            text += f" {_si(record['tokens_seen'])} tokens"
         if "eval_loss" in record:
             text += f" eval {record['eval_loss']:.4f}"
         eta = self.eta(step)

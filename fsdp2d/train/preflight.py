@@ -12,7 +12,8 @@ rank stops together, before any rank writes. What is checked:
   new ``metrics.run_name``, or ``--overwrite`` (which deletes the earlier run's config,
   metrics and checkpoints, and nothing else);
 * the data: the path exists, the train split holds one global micro-batch, and so does
-  the eval split when the run evaluates.
+  the eval split when the run evaluates;
+* a resumed run has steps left to train (``check_steps_left``, after the checkpoint loaded).
 """
 
 from __future__ import annotations
@@ -85,6 +86,17 @@ def check_data(cfg: JobConfig, data: TrainData) -> None:
         except ValueError as exc:
             raise ConfigError(f"the eval split (data.eval_fraction={cfg.data.eval_fraction}) is too small: "
                               f"{exc}") from None
+
+
+def check_steps_left(cfg: JobConfig, step: int, path) -> None:
+    """(A resumed run, before anything is written.) ConfigError when checkpoint ``path``
+    is at or past the last step to run: there is nothing to train."""
+    t = cfg.training
+    stop, field = (t.stop_at, "training.stop_at") if t.stop_at and t.stop_at < t.steps else (t.steps, "training.steps")
+    if step >= stop:
+        raise ConfigError(f"nothing to train: {path} is at step {step} and {field}={stop}; set training.steps above "
+                          f"{step} to train on (the learning-rate schedule follows training.steps), or start a new "
+                          f"run with --metrics.run_name=NAME")
 
 
 def agree(error: str) -> None:

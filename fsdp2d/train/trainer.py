@@ -37,15 +37,16 @@ from torch.utils.checkpoint import checkpoint as recompute
 import fsdp2d
 from fsdp2d import checkpoint as ckpt
 from fsdp2d.hf.export import export_hf
+from fsdp2d.hf.launch import run_tokenizer
 from fsdp2d.hf.weights import load_hf_into
 from fsdp2d.models import GPT2, Llama, gpt2_tp_plan, llama_tp_plan
 from fsdp2d.mesh import axis_size
 from fsdp2d.hf.weights import model_spec
 
-from . import preflight
-from .config import JobConfig, save_config, validate
+from . import lock, preflight
+from .config import ConfigError, JobConfig, save_config, validate
 from .data import build_data
-from .metrics import Metrics, allocator_metrics, device_peak, peak_memory_mib
+from .metrics import Metrics, Progress, allocator_metrics, device_peak, peak_memory_mib, throughput
 from .optim import adamw_kind, build_optimizer
 from .writers import build_writers
 
@@ -54,9 +55,11 @@ class TrainingError(RuntimeError):
     """The run cannot go on (a NaN loss); the message says what was kept."""
 
 
-def build_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
-    """Meta-device model, parallelized, materialised with this rank's shards only."""
+def build_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh, say=lambda what: None) -> torch.nn.Module:
+    """Meta-device model, parallelized, materialised with this rank's shards only
+    (``say``: start-up progress, see :class:`~fsdp2d.train.metrics.Progress`)."""
     model = parallelize_model(cfg, mesh)
+    say("model built on the meta device and sharded (TP plan, fully_shard)")
     model.to_empty(device=cfg.parallel.device)
     torch.manual_seed(cfg.training.seed)
     model.init_weights()
@@ -182,11 +185,20 @@ class Trainer:
         preflight.check_device(cfg)
         self.mesh = fsdp2d.init_device_mesh(cfg.parallel.device, cfg.mesh_shape, mesh_dim_names=cfg.mesh_dim_names)
         self.rank = dist.get_rank()
+        self.say = Progress(enabled=self.rank == 0)
+        self.say(f"mesh {' x '.join(f'{n}={s}' for n, s in zip(cfg.mesh_dim_names, cfg.mesh_shape))} "
+                 f"({dist.get_world_size()} ranks, {dist.get_backend()})")
         self.data = self._preflight()
-        self.model = build_model(cfg, self.mesh)
+        self.say("data ready")
+        self.model = build_model(cfg, self.mesh, self.say)
+        self.say(f"weights on {cfg.parallel.device}" + (f", loaded from {cfg.model.init_from}"
+                                                        if cfg.model.init_from else ", initialised"))
         self.opt = build_optimizer(self.model.parameters(), cfg)
         self.ckpts = ckpt.CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.checkpoint.keep_last)
         self.step = 0
+        self.document_ids_of = None
+        """Document masking: tokens (B, T) -> document ids (B, T) (e.g. ``functools.partial(
+        fsdp2d.models.document_ids, eos_id=EOS)``), passed to the model each micro-batch; None: off."""
         self.unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss summed over the world, grad norm)
         writers = build_writers(cfg.metrics, cfg.run_dir, dataclasses.asdict(cfg)) if self.rank == 0 else []
         self.metrics = Metrics(cfg.run_dir, cfg.training.steps, enabled=self.rank == 0, writers=writers)
@@ -205,13 +217,23 @@ class Trainer:
             if name != "tp":
                 dp_rank = dp_rank * axis_size(self.mesh, name) + self.mesh.get_local_rank(name)
         try:
+            if self.rank == 0:  # one run per run folder (lock.py), before anything reads or writes it
+                lock.acquire(cfg.run_dir)
             preflight.check_run_folder(cfg)
             data = build_data(cfg, dp_rank, cfg.dp_degree)
             preflight.check_data(cfg, data)
         except (ValueError, OSError) as exc:  # ConfigError is a ValueError
             error = str(exc)
-        preflight.agree(error)
+        try:
+            preflight.agree(error)
+        except ConfigError:
+            lock.release(cfg.run_dir, undo=True)  # refused: the folder is as it was
+            raise
         return data
+
+    def close(self) -> None:
+        """The run is over (done, refused or failed): another may use its folder."""
+        lock.release(self.cfg.run_dir)
 
     def start(self) -> None:
         """The run starts: from here on it writes (the resolved config first)."""
@@ -259,8 +281,8 @@ class Trainer:
                     print(f"checkpoint {path} does not verify, trying an older one: {failures[-1]}", flush=True)
                 continue
             self.step = step
-            if self.rank == 0:
-                print(f"resumed from {path} at step {self.step}", flush=True)
+            preflight.check_steps_left(self.cfg, self.step, path)
+            self.say(f"resumed from {path} at step {self.step}")
             self.metrics.forget_after(self.step)
             return
         if failures:
@@ -271,6 +293,8 @@ class Trainer:
     def save(self) -> None:
         extra = {"step": self.step, "data": self.data.train.state_dict(), "rng": _rng_state(),
                  "model": model_spec(self.model)}  # lets `export --format hf` write config.json
+        if (tokenizer := run_tokenizer(self.cfg)) is not None:  # for `generate` and the HF export, from anywhere
+            extra["tokenizer"] = tokenizer
         self.ckpts.save(self.step, self.model, self.opt, extra=extra)
 
     # -- one step ------------------------------------------------------------------------
@@ -282,7 +306,8 @@ class Trainer:
         device = torch.device(self.cfg.parallel.device)
         x, y = to_device(x, device), to_device(y, device)
         with self._loss_context():
-            logits = self.model(x)
+            docs = {} if self.document_ids_of is None else {"document_ids": self.document_ids_of(x)}
+            logits = self.model(x, **docs)
             if not self.cfg.parallel.loss_parallel:
                 logits = logits.float()
             return F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -348,6 +373,7 @@ class Trainer:
         every = cfg.checkpoint.every
         record: dict = {}
         t0, step0 = time.perf_counter(), self.step  # since the last read
+        first = self.step + 1
         while self.step < stop:
             step = self.step + 1
             lr = cfg.optim.lr_at(self.step, t.steps)
@@ -358,12 +384,14 @@ class Trainer:
             save = (bool(every) and step % every == 0) or step == stop
             values = self.train_step(self.data.train, read=log or save)
             self.step = step
+            if step == first:  # (on CUDA: once the host has queued it, unless it was read)
+                self.say(f"step {step} done: start-up complete")
             if values is None:
                 continue
             dt = (time.perf_counter() - t0) / (step - step0)
-            tps = tokens_per_step / dt
-            record = {"step": step, "loss": values[0], "lr": lr, "grad_norm": values[1], "tokens_per_s": tps,
-                      "mfu": self.flops_per_token * tps / (self.peak * dist.get_world_size()),
+            record = {"step": step, "loss": values[0], "lr": lr, "grad_norm": values[1],
+                      **throughput(tokens_per_step, dt, dist.get_world_size(), self.flops_per_token, self.peak),
+                      "tokens_seen": step * tokens_per_step,
                       "peak_mem_mib": peak_memory_mib(cfg.parallel.device), "step_time_s": dt,
                       **allocator_metrics(cfg.parallel.device)}
             if evaluate:
@@ -382,4 +410,5 @@ class Trainer:
             export_hf(last, hf)  # what transformers (and vLLM) load
         if self.rank == 0:
             print(self._end_line(hf), flush=True)
+        self.close()
         return record

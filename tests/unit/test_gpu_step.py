@@ -17,6 +17,7 @@ SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_step.py"
 def _module():
     spec = importlib.util.spec_from_file_location("gpu_step", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_step", mod)  # (its dataclasses look their module up there)
     spec.loader.exec_module(mod)
     return mod
 

@@ -1,0 +1,129 @@
+"""A first run that explains itself, in-process (world size 1, no torchrun): start-up
+progress, throughput per GPU and per job, the run's tokenizer in the checkpoint and the HF
+export, the run-folder lock seen by a worker, and a resume with nothing left to train."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fsdp2d import checkpoint as ckpt
+from fsdp2d.train.config import ConfigError
+from fsdp2d.train.plot import read_metrics
+
+from .test_train import _fresh_group, _local, world1  # noqa: F401  (world1 is a fixture)
+from .unit.test_launch import _bpe, _holder
+
+
+def test_startup_progress_throughput_and_the_tokenizer(tmp_path, world1, capsys):  # noqa: F811
+    """Issue 29 item 6: start-up printed nothing for 21-48 s; tok/s was per job only; the
+    HF export had no tokenizer and bos/eos None."""
+    from fsdp2d.train.trainer import Trainer
+
+    tok = _bpe(tmp_path / "tok.json")
+    trainer = Trainer(_local(tmp_path, "run", f"--data.tokenizer={tok}"))
+    trainer.maybe_resume()
+    trainer.start()
+    trainer.run()
+    lines = capsys.readouterr().out.splitlines()
+    phases = [line.split("] ", 1)[1] for line in lines if line.startswith("[+")]
+    for i, want in enumerate(("mesh dp=1 x tp=1 (1 ranks, gloo)", "data ready", "model built on the meta device",
+                              "weights on cpu, initialised", "step 1 done: start-up complete")):
+        assert phases[i].startswith(want), phases
+    cfg = trainer.cfg
+    for r in read_metrics(cfg.run_dir):
+        assert r["tokens_per_s_per_gpu"] == r["tokens_per_s"]  # one rank
+        assert r["tokens_seen"] == r["step"] * cfg.training.global_batch * cfg.data.seq_len
+        assert "mfu" not in r  # CPU: no peak to compare with
+    latest = trainer.ckpts.latest()
+    assert ckpt.read_index(latest)["extra"]["tokenizer"] == str(tok)
+    hf = cfg.run_dir / "hf"
+    assert (hf / "tokenizer.json").read_bytes() == tok.read_bytes()
+    assert json.loads((hf / "config.json").read_text())["eos_token_id"] == 2
+
+
+def test_a_worker_refuses_a_folder_another_run_holds(tmp_path, world1):  # noqa: F811
+    """Issue 32 item 2, the worker side (a job started by torchrun directly): rank 0 takes
+    the lock before the folder is read; refused, the folder is left as it was."""
+    from fsdp2d.train.trainer import Trainer
+
+    run = tmp_path / "held"
+    proc = _holder(run)
+    try:
+        with pytest.raises(ConfigError, match=f"{run} is in use by another run \\(pid {proc.pid} on "):
+            Trainer(_local(tmp_path, "held"))
+        assert sorted(p.name for p in run.iterdir()) == [".lock"]
+    finally:
+        proc.kill()
+        proc.wait()
+    _fresh_group()
+    trainer = Trainer(_local(tmp_path, "held", "--training.steps=2"))  # the killed holder's lock is stale
+    trainer.start()
+    trainer.run()
+    assert trainer.ckpts.steps() == [2] and not (run / ".lock").exists()  # released at the end
+
+
+def test_resume_with_nothing_left_to_train_is_refused_before_anything_changes(tmp_path, world1):  # noqa: F811
+    """Issue 32 item 12: `--resume --training.steps=4` over a step-6 checkpoint printed
+    "steps 7-4 of 4", trained nothing, rewrote config.toml and exited 0. Refused now, in
+    one line naming the step, the field and what to do; nothing on disk changes."""
+    from fsdp2d.train.trainer import Trainer
+
+    trainer = Trainer(_local(tmp_path, "done", "--training.steps=6", "--checkpoint.every=3"))
+    trainer.start()
+    trainer.run()
+    run = tmp_path / "done"
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for extra, field in ((["--training.steps=4"], "training.steps=4"), (["--training.steps=6"], "training.steps=6"),
+                         (["--training.steps=9", "--training.stop_at=5"], "training.stop_at=5")):
+        _fresh_group()
+        trainer = Trainer(_local(tmp_path, "done", "--checkpoint.resume=true", *extra))
+        with pytest.raises(ConfigError) as err:
+            trainer.maybe_resume()
+        assert f"step_00000006 is at step 6 and {field}; set training.steps above 6" in str(err.value)
+        assert "\n" not in str(err.value)
+        trainer.close()
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_the_trainers_document_hook_masks_each_micro_batch(tmp_path, world1):  # noqa: F811
+    """The hook the data layer's ``data.document_mask`` sets: the trainer's loss is the
+    document-masked model's (and not the plain one's)."""
+    import functools
+
+    import torch
+    import torch.nn.functional as F
+
+    from fsdp2d.models import document_ids
+    from fsdp2d.train.trainer import Trainer
+
+    trainer = Trainer(_local(tmp_path, "docs"))
+    x, y = next(trainer.data.train)
+    eos = int(x[0, 5])  # a token that occurs: documents end there
+    with torch.no_grad():
+        plain = trainer._loss(x, y)
+        trainer.document_ids_of = functools.partial(document_ids, eos_id=eos)
+        masked = trainer._loss(x, y)
+        want = F.cross_entropy(trainer.model(x, document_ids=document_ids(x, eos_id=eos)).flatten(0, 1), y.flatten())
+    assert masked == want and masked != plain
+    trainer.close()
+
+
+@pytest.mark.parametrize("corpus", ["empty.txt", "empty tokens.bin", "36-byte corpus"])
+def test_a_refused_corpus_ends_the_worker_in_one_line(tmp_path, world1, monkeypatch, capsys, corpus):  # noqa: F811
+    """Issue 32 item 14, the worker side in-process (tests/test_launch_errors.py runs the
+    launcher end to end): the worker's run ends in one line on stderr and exit code 2,
+    nothing written."""
+    from fsdp2d.train import cli, failure
+
+    monkeypatch.delenv(failure.LAUNCHER_ENV, raising=False)
+    path, extra = {"empty.txt": ("a.txt", ["--data.format=text"]),
+                   "empty tokens.bin": ("tokens.bin", ["--data.format=uint16"]),
+                   "36-byte corpus": ("b.txt", ["--data.format=text"])}[corpus]
+    (tmp_path / path).write_bytes(b"hello world, 36 bytes of text here.\n" if corpus.startswith("36") else b"")
+    cfg = _local(tmp_path, "job", f"--data.path={tmp_path / path}", *extra)
+    assert cli._worker(cfg) == 2
+    out = capsys.readouterr()
+    assert out.err.count("\n") == 1 and out.err.startswith("config error: ") and "Traceback" not in out.out, out
+    assert not (tmp_path / "job").exists()
