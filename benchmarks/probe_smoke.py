@@ -246,9 +246,9 @@ def nccl_mesh(device: torch.device) -> dict:
         g = mesh.get_group(axis)
         out[axis] = {"backend": dist.get_backend(g), "is_world": g.group_name == dist.group.WORLD.group_name,
                      "high_priority": _high_priority(g) if device.type == "cuda" else "n/a (gloo)"}
-    if device.type == "cuda":
+    if device.type == "cuda":  # (an axis spanning the world is the default group, high-priority too: issue 30)
         out["ok"] = out["backend"] == "nccl" and out["dp"]["high_priority"] is True and \
-            out["tp"]["high_priority"] is not True
+            (out["tp"]["high_priority"] is not True or out["tp"]["is_world"])
     return out
 
 

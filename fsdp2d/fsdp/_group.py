@@ -20,6 +20,10 @@ the group after that are, so it runs during that group's backward (the end of ba
 starts every pending one before waiting for any). ``wait_unshard`` and ``reshard`` drop the
 gather's handle before waiting on it: if the wait raises, the next unshard gathers again
 rather than taking the spent handle as done.
+
+This file holds the flat buffer and the group's state; the all-gather half (unshard,
+reshard, staleness and edits while gathered) is :mod:`._unshard`, the gradient half
+:mod:`._grads`.
 """
 
 from __future__ import annotations
@@ -30,36 +34,26 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _collectives as C
 from .._dtensor import as_dtensor, install_rest_hooks, local_of
 from .._stale import mark_replaced
-from ._grads import GradReduction, set_grad
+from ._grads import GradReduction
 from ._param import FSDPParam, alias
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._unshard import Unshard, _Gather
 
 
-_OPTIMIZER_STEPS = [0]
-
-
-def _count_step(optimizer, args, kwargs) -> None:
-    _OPTIMIZER_STEPS[0] += 1
-
-
-# Fused optimizers update parameters without bumping their version counters, so every
-# torch optimizer step is counted too: an unsharded copy gathered before a step is stale.
-register_optimizer_step_post_hook(_count_step)
-
-
-class FSDPParamGroup(GradReduction):
+class FSDPParamGroup(Unshard, GradReduction):
     def __init__(self, params: list[FSDPParam], shard_group: C.Group, replicate_group: C.Group | None,
                  mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str) -> None:
         self.params, self.fqn, self.mp, self.offload = params, fqn, mp, offload
+        self.label = fqn  # its module path once the root knows it (profiler ranges, errors)
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.k = C.group_size(shard_group)
         self.dp_size = self.k * C.group_size(replicate_group)
         self.divide_factor = float(self.dp_size)  # set_gradient_divide_factor: 1.0 sums gradients
+        self.force_sum = False  # set_force_sum_reduction_for_comms: SUM, then a division of its own
         offset = 0
         for p in params:
             p.offset, offset = offset, offset + p.segment_numel
@@ -79,9 +73,11 @@ class FSDPParamGroup(GradReduction):
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.unsharded = False
-        self._gather: tuple[Any, torch.Tensor] | None = None
+        self._gather: _Gather | None = None
         self._reduce: tuple[Any, torch.Tensor] | None = None
-        self.offload_event: Any = None  # gradient copies to the host in flight (see finish_reduce)
+        # CPU offload: (side-stream event, tensors it reads) of the gradient copies to the
+        # host in flight (see finish_reduce), held until the event is waited for
+        self.offload_event: tuple[Any, Any] | None = None
         self.grads_ready = 0
         self.num_trainable = 0  # set by _sync_requires_grad
         # With frozen parameters: the module's forward inputs still awaiting their
@@ -90,6 +86,7 @@ class FSDPParamGroup(GradReduction):
         self.input_waits: weakref.WeakSet = weakref.WeakSet()
         self.inputs_done = 0
         self._gathered_versions: tuple = ()  # _shard_versions() at the last gather
+        self._copied_versions: list[int] = []  # each unsharded parameter's version at the last copy-out
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
         self._flags: tuple | None = None  # (key, has-gradient flags) when every trainable one is present
@@ -176,10 +173,10 @@ class FSDPParamGroup(GradReduction):
 
     def _send_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's all-gather input in ``dtype``: the flat buffer itself when it has
-        that dtype, a cast copy otherwise (mixed dtypes: packed in group order)."""
+        that dtype, a cast copy otherwise (mixed dtypes: packed in group order). Blocking
+        (the training path's gather with CPU offload is :meth:`_copy_in_offloaded`)."""
         if len(self.flats) == 1:
-            flat = next(iter(self.flats.values()))
-            return flat.to(self.compute_device, dtype, non_blocking=True)
+            return next(iter(self.flats.values())).to(self.compute_device, dtype)
         send = torch.zeros(self.total, dtype=dtype, device=self.compute_device)
         for p in self.params:
             src = self.flats[p.sharded.dtype][p.store_offset:p.store_offset + p.segment_numel]
@@ -201,80 +198,6 @@ class FSDPParamGroup(GradReduction):
             self._build_flat(replaced[0].module._parameters[replaced[0].name].device)
         elif any(p.unsharded.requires_grad != p.sharded.requires_grad for p in self.params):
             self._sync_requires_grad()
-
-    # -- all-gather ------------------------------------------------------------------
-    def _shard_versions(self) -> tuple:
-        """Changes when any shard changes: in-place edits bump the version counter of the
-        flat buffer they went through (FSDP1's flat parameter) or of the shard's own
-        local tensor (an alias of the flat buffer, see ``_param.alias``); optimizer steps
-        (fused ones included) are counted globally."""
-        return (_OPTIMIZER_STEPS[0], *(f._version for f in self.flats.values()),
-                *(p.expected_local._version for p in self.params))
-
-    @property
-    def gathering(self) -> bool:
-        """An all-gather is in flight (a prefetch not yet waited for)."""
-        return self._gather is not None
-
-    def unshard(self, async_op: bool = False) -> None:
-        if (self.unsharded or self.gathering) and self._shard_versions() != self._gathered_versions:
-            # The shards changed since the gather was sent (optimizer step, load): what it
-            # brings, or brought, is stale. Free it and gather the current shards.
-            self.reshard()
-        if self.unsharded or self.gathering:
-            if not async_op:
-                self.wait_unshard()
-            return
-        send = self._send_buffer(self.param_dtype)
-        self._gathered_versions = self._shard_versions()  # what is sent, not what is there at the wait
-        self.counts["all_gather"] += 1
-        if self.k == 1:
-            self._gather = (None, send)
-        else:  # over shared memory the pieces are copied out where they lie (out None)
-            rows = C.all_gather_rows(send, self.shard_group) if self.params else None
-            out = None if rows is not None else send.new_empty(self.k * self.total)
-            self._gather = (rows, None) if rows is not None else (
-                C.all_gather_into(out, send, self.shard_group, async_op=True), out)
-        if not async_op:
-            self.wait_unshard()
-
-    def wait_unshard(self) -> None:
-        if self._gather is None:
-            return
-        work, out = self._gather
-        # Dropped before waiting: a wait that raises (a peer's timeout or size mismatch)
-        # must not leave a spent handle that the next wait would take as done, marking
-        # uninitialised storage unsharded. The next unshard gathers again (or raises again).
-        self._gather = None
-        for p in self.params:
-            p.alloc_unsharded()
-        if out is None:  # shared memory (see unshard): one copy op per rank's piece
-            sizes = [p.segment_numel for p in self.params]
-
-            def copy_out(parts: dict[int, torch.Tensor]) -> None:
-                for j, piece in parts.items():
-                    torch.split_with_sizes_copy(piece, sizes, out=[p.padded_row(j) for p in self.params])
-
-            work.wait(copy_out)
-            self.unsharded = True
-            return
-        if work is not None:
-            work.wait()
-        gathered = out.view(self.k, self.total)
-        if self.params:  # one copy op for the whole group, into the padded unsharded storage
-            torch.split_with_sizes_copy(gathered, [p.segment_numel for p in self.params], dim=1,
-                                        out=[p.padded.view(self.k, -1) for p in self.params])
-        self.unsharded = True
-
-    def reshard(self) -> None:
-        if self._gather is not None:  # finish the collective, drop what it brought
-            work, self._gather = self._gather[0], None  # first: see wait_unshard
-            if work is not None:
-                work.wait()
-        for p in self.params:
-            p.free_unsharded()
-            p.register("sharded")
-        self.unsharded = False
 
     def to_rest(self) -> None:
         """Register the sharded (DTensor) parameters if the unsharded ones are out (or an

@@ -97,11 +97,15 @@ class FSDPModule:
             self._fsdp2d_fsdp.group.divide_factor = float(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted as torch's: fsdp2d's gradient collectives always reduce with SUM and divide
-        afterwards (what torch does with ``enable=True``), on every backend, so either value
-        leaves them as they are."""
+        """As torch's: ``True`` makes this module's gradient collectives reduce with SUM
+        and divide afterwards. By default they divide inside the collective where the
+        backend can (NCCL: ``ReduceOp.AVG``, or ``PREMUL_SUM`` for a custom factor, in
+        float32 and bfloat16; fsdp2d's pairwise exchanges on gloo divide as they sum),
+        with no separate division kernel, as torch FSDP2. This module's own group only."""
         if not isinstance(enable, bool):
             raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}")
+        if self._fsdp2d_fsdp.group is not None:
+            self._fsdp2d_fsdp.group.force_sum = enable
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for s in self._fsdp_states(recurse):

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 from contextlib import nullcontext
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -48,6 +47,7 @@ from fsdp2d._dtensor import local_of
 from fsdp2d.debug import init_fake_world
 from fsdp2d.mesh import axis_size
 from fsdp2d.train.config import JobConfig
+from fsdp2d.train.optim import build_optimizer
 from fsdp2d.train.trainer import parallelize_model
 
 from ._probe import StepProbe
@@ -166,12 +166,6 @@ def _figures(probe: StepProbe, params: list[torch.Tensor], at_rest: int, gradien
         "collectives": {f"{a}/{k}": v for (a, k), v in sorted(probe.collectives.items())},
         "flops": probe.flops, "ops": probe.ops,
     }
-
-
-def build_optimizer(params: Iterable[torch.Tensor], cfg: JobConfig) -> torch.optim.Optimizer:
-    o = cfg.optim  # the trainer's AdamW; torch picks foreach on CUDA, the for-loop on CPU
-    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                             foreach=cfg.parallel.device == "cuda")
 
 
 class ShardOptimizer:
