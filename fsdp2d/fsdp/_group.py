@@ -44,10 +44,28 @@ from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._unshard import Unshard, _Gather
 
 
+def offload_placement(fqns: list[str], source: torch.device, mesh_device: torch.device) -> tuple[torch.device, torch.device]:
+    """With ``CPUOffloadPolicy``: (where the shards are stored, where the group computes)
+    for parameters found on ``source``. As torch's FSDP2: the shards live on the host and
+    are gathered to the mesh's device (never to the parameters' own); a meta model stays
+    meta (nothing allocated) until it is materialised. Materialised on an accelerator
+    (``to_empty(device="cuda")``, a CUDA state dict with ``assign=True``) is refused, naming
+    the parameters, as torch refuses it: an optimizer built on those objects would step
+    tensors that no longer hold the weights."""
+    if source.type not in ("cpu", "meta"):
+        names = ", ".join(fqns[:4]) + (f" and {len(fqns) - 4} more" if len(fqns) > 4 else "")
+        raise RuntimeError(f"fully_shard with CPUOffloadPolicy: {names} are on {source}; materialise the "
+                           f"parameters on the CPU (module.to_empty(device='cpu'), or load a CPU state dict), "
+                           f"as torch's FSDP2 requires: the shards stay on the host and are gathered to {mesh_device}")
+    return source, mesh_device
+
+
 class FSDPParamGroup(Unshard, GradReduction):
     def __init__(self, params: list[FSDPParam], shard_group: C.Group, replicate_group: C.Group | None,
-                 mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str) -> None:
+                 mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str,
+                 mesh_device: torch.device | None = None) -> None:
         self.params, self.fqn, self.mp, self.offload = params, fqn, mp, offload
+        self.mesh_device = mesh_device or torch.device("cpu")  # where the mesh's collectives run
         self.label = fqn  # its module path once the root knows it (profiler ranges, errors)
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.k = C.group_size(shard_group)
@@ -98,14 +116,20 @@ class FSDPParamGroup(Unshard, GradReduction):
         self.accumulate_in_compute_dtype = False  # FSDP1: no-sync sums in param_dtype (see accumulation_dtype)
         self.flat_param: torch.nn.Parameter | None = None
         self.compute_device = params[0].sharded.device if params else torch.device("cpu")
-        self._build_flat(self.compute_device)
+        self._build_flat(self.compute_device, initial=True)
 
     # -- the flat sharded buffer --------------------------------------------------------
-    def _build_flat(self, device: torch.device) -> None:
+    def _build_flat(self, device: torch.device, initial: bool = False) -> None:
         """Copy every parameter's shard rows into fresh flat buffers (one per dtype; one
         in all but mixed-dtype groups) and make each registered parameter a view of its
-        slot (the same Parameter object when it exists, so optimizers keep working)."""
-        store = torch.device("cpu") if self._offloading(device) else device
+        slot (the same Parameter object when it exists, so optimizers keep working).
+        ``device``: where the parameters were found; with CPU offload the shards are stored
+        on the host (at ``fully_shard`` a model on the accelerator moves there, as torch's;
+        later, see :func:`offload_placement`) and the group computes on the mesh's device."""
+        store = device
+        if isinstance(self.offload, CPUOffloadPolicy) and self.mesh_device.type != "cpu":
+            source = torch.device("cpu") if initial and device.type not in ("cpu", "meta") else device
+            store, device = offload_placement([p.fqn for p in self.params], source, self.mesh_device)
         current_dtypes = {p.module._parameters[p.name].dtype for p in self.params}
         if len(current_dtypes) > 1 and self.mp.param_dtype is None:
             raise ValueError(f"fully_shard({self.fqn}): parameters now have mixed dtypes {sorted(map(str, current_dtypes))}; "
@@ -118,7 +142,7 @@ class FSDPParamGroup(Unshard, GradReduction):
             dtype = p.module._parameters[p.name].dtype
             p.store_offset, sizes[dtype] = sizes.get(dtype, 0), sizes.get(dtype, 0) + p.segment_numel
         self.flats = {dtype: torch.zeros(n, dtype=dtype, device=store) for dtype, n in sizes.items()}
-        if self._offloading(device) and getattr(self.offload, "pin_memory", False):
+        if store.type == "cpu" and self._offloading(device) and getattr(self.offload, "pin_memory", False):
             self.flats = {d: f.pin_memory() for d, f in self.flats.items()}
         for p in self.params:
             current = p.module._parameters[p.name]

@@ -236,7 +236,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     name = "+".join(type(m).__name__ for m in modules)
     group = FSDPParamGroup(params, mesh.get_group(mesh.ndim - 1), replicate, mp_policy, offload_policy,
-                           name) if params else None
+                           name, _mesh_device(mesh)) if params else None
     if group is not None:
         group.reshard_after_forward = reshard_after_forward
     state = FSDPState(modules, group, mp_policy)
@@ -248,6 +248,15 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         m.register_forward_hook(state.post_forward)
         m.__class__ = _fsdp_class(type(m))
     return module
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's collectives on ``mesh`` run on (its current accelerator)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device()) if module.is_available() else \
+        torch.device(mesh.device_type)  # a fake mesh of a machine without one (fsdp2d plan, tests)
 
 
 def _check_shardable(module: nn.Module) -> None:
