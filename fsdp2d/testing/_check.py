@@ -84,7 +84,16 @@ def check_parallel(build: Callable[[], torch.nn.Module], parallelize: Callable, 
     :func:`default_optimizer`; the reference keeps its own optimizer state), every
     parameter. ``rtol`` (default 1e-5) bounds max|difference| / max|reference| of
     outputs, losses and gradients; ``atol`` (default 1e-5) the absolute difference of
-    parameters after a step (see the comments at ``RTOL`` and ``ATOL`` for why).
+    parameters after a step (see the comments at ``RTOL`` and ``ATOL`` for why). A
+    parameter of the reference that the parallel model lacks (``parallelize`` made it a
+    buffer, or dropped it) fails the check: it would never be trained.
+
+    Before any of that, the test itself is checked, and a misuse raises instead of
+    blaming the plan: ``ValueError`` if two ``build()`` calls after
+    ``torch.manual_seed(seed)`` differ (a build that seeds itself), or if two forwards of
+    the reference on ``batches[0]`` differ (dropout in training mode: set ``p=0`` or call
+    ``eval()`` in ``build``), naming the parameter or the first module that differs;
+    ``TypeError`` if ``loss_fn`` returns anything but a one-element tensor.
     """
     for name, fn in (("build", build), ("parallelize", parallelize), ("loss_fn", loss_fn)):
         if not callable(fn):
@@ -113,6 +122,10 @@ def check_parallel(build: Callable[[], torch.nn.Module], parallelize: Callable, 
     for dp, tp in shapes:
         results = worker_pool(dp * tp).run(_run_on_rank, roots, payload, (dp, tp), timeout=timeout)
         found = [r for rank_records in results for r in rank_records]
+        misuse = [r for r in found if len(r) == 3]  # the test is wrong, not the plan: (key, text, type)
+        if misuse:
+            _, text, kind = min(misuse)
+            raise _MISUSE[kind](f"check_parallel: {text}")
         if found:
             key, text = min(found)
             raise AssertionError(f"check_parallel on mesh (dp={dp}, tp={tp}): {text}")
@@ -154,9 +167,13 @@ def _call(model: torch.nn.Module, batch: Any, forward: Callable | None) -> Any:
     return model(batch)
 
 
+_MISUSE = {"TypeError": TypeError, "ValueError": ValueError}
+
+
 # -- on every rank -------------------------------------------------------------------------
 def _run_on_rank(roots: list[str], payload: bytes, shape: tuple[int, int]) -> list:
-    """One rank's run; returns its mismatches as ((step, phase, order), text)."""
+    """One rank's run; returns its mismatches as ((step, phase, order), text), or one
+    misuse of check_parallel as (key, text, exception type name)."""
     import sys
 
     for root in roots:
@@ -171,6 +188,12 @@ def _run_on_rank(roots: list[str], payload: bytes, shape: tuple[int, int]) -> li
     ref = job.build()
     torch.manual_seed(job.seed)
     model = job.build()
+    # The comparison means something only if the reference is a function of the seed and
+    # the batch: check build() against itself and the reference's forward against itself
+    # first, so neither is blamed on parallelize (every rank finds the same: they agree).
+    misuse = _build_differs(ref, model, job.seed) or _forward_differs(ref, job, job.batches[0])
+    if _any_rank(misuse is not None):
+        return [misuse] if misuse is not None else []
     job.parallelize(model, mesh)
     opt, ref_opt = job.optimizer(list(model.parameters())), job.optimizer(list(ref.parameters()))
     seen: dict[str, list] = {}
@@ -187,7 +210,11 @@ def _run_on_rank(roots: list[str], payload: bytes, shape: tuple[int, int]) -> li
             output, ref_loss = _call(model, mine, job.forward), job.loss_fn(_call(ref, batch, job.forward), batch)
             off = _compare_outputs(seen, ref_seen, step, shape, mesh, job.rtol, where)
             loss, failed = _loss_or_error(job.loss_fn, output, mine)
-            if _any_rank(bool(off) or failed is not None):  # every rank stops together
+            misuse = _not_scalar(ref_loss, "the reference's output") or (
+                None if failed is not None else _not_scalar(loss, "the parallel model's output"))
+            if _any_rank(bool(off) or failed is not None or misuse is not None):  # every rank stops together
+                if misuse is not None:
+                    return [misuse]
                 if off or failed is None:
                     return out + off
                 raise failed  # the loss broke, with no module output to blame
@@ -209,6 +236,66 @@ def _run_on_rank(roots: list[str], payload: bytes, shape: tuple[int, int]) -> li
         for h in hooks:
             h.remove()
     return out
+
+
+def _build_differs(ref: torch.nn.Module, again: torch.nn.Module, seed: int) -> tuple | None:
+    """A misuse record if two ``build()`` calls after ``torch.manual_seed(seed)`` differ
+    (names or values of parameters and buffers)."""
+    mine, theirs = dict(again.state_dict(keep_vars=True)), ref.state_dict(keep_vars=True)
+    for name in list(theirs) + [n for n in mine if n not in theirs]:
+        a, b = theirs.get(name), mine.get(name)
+        if a is None or b is None or a.shape != b.shape or not torch.equal(a.detach(), b.detach()):
+            what = "in one of them only" if a is None or b is None else "with different values"
+            return ((-1, 0, 0), f"build() does not follow the seed: two calls after torch.manual_seed({seed}) give "
+                    f"{name!r} {what}; build must draw every random number from torch's global generator "
+                    f"(no seeding of its own, no numpy or random), or the parallel model cannot start equal "
+                    f"to the reference", "ValueError")
+    return None
+
+
+def _forward_differs(ref: torch.nn.Module, job: "_Job", batch: Any) -> tuple | None:
+    """A misuse record if two forwards of the reference on ``batch`` differ (dropout or
+    another random op in training mode), naming the first module, in the order modules
+    finish, whose output changed. Runs copies of ``ref`` and restores the RNG state, so
+    the check changes nothing the comparison then sees."""
+    import copy
+
+    try:
+        copies = [copy.deepcopy(ref) for _ in range(2)]
+    except Exception:  # noqa: BLE001 - a model that does not deep-copy goes unchecked here
+        return None
+    state = torch.get_rng_state()
+    runs = []
+    try:
+        for probe in copies:  # the second run draws the random numbers after the first's
+            seen = {}
+            hooks = _capture(probe, seen, gather=False)
+            try:
+                _call(probe, batch, job.forward)
+            finally:
+                for h in hooks:
+                    h.remove()
+            runs.append(seen)
+    finally:
+        torch.set_rng_state(state)
+    first, second = runs
+    for name, leaves in first.items():
+        if any(a.shape != b.shape or _error(b, a) > job.rtol for a, b in zip(leaves, second.get(name, []))):
+            label = f"module {name!r}" if name else "the model (root module)"
+            return ((-1, 1, 0), f"the reference is not deterministic (dropout? set p=0 / eval()): two forwards of "
+                    f"batches[0] give different outputs, first at {label}; check_parallel compares the parallel "
+                    f"model with it output by output, so it must be a function of the weights and the batch",
+                    "ValueError")
+    return None
+
+
+def _not_scalar(loss: Any, of: str) -> tuple | None:
+    """A misuse record if ``loss`` is not a one-element tensor."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return None
+    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    return ((-1, 2, 0), f"loss_fn must return a scalar tensor (a mean over the batch, e.g. F.cross_entropy(...) "
+            f"with its default reduction); on {of} it returned {got}", "TypeError")
 
 
 def _loss_or_error(loss_fn: Callable, output: Any, batch: Any):
@@ -319,8 +406,15 @@ def _compare_grads(model, ref, step: int, rtol: float, where: str) -> list:
 
 def _compare_params(model, ref, step: int, phase: int, when: str, atol: float, where: str, copy: bool) -> list:
     ref_params = dict(ref.named_parameters())
-    out = []
-    for order, (fqn, p) in enumerate(model.named_parameters()):
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    # A reference parameter the parallel model lacks is never trained there: a failure
+    # (sorted after the parameters that are compared), not a name left out of the comparison.
+    out = [((step, phase, len(params) + i), f"step {step}: reference parameter {fqn!r} is not a parameter of the "
+            f"parallel model ({when}: {'a buffer' if fqn in buffers else 'missing'} there), so it is never trained; "
+            f"parallelize must keep every parameter an nn.Parameter ({where})")
+           for i, fqn in enumerate(n for n in ref_params if n not in params)]
+    for order, (fqn, p) in enumerate(params.items()):
         r = ref_params.get(fqn)
         if r is None:
             out.append(((step, phase, order), f"step {step}: parameter {fqn!r} is not in the reference model "
