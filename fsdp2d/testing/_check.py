@@ -10,6 +10,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ._compare import call_model, capture, gathered, rel_error
+from ._misuse import build_differs, forward_differs, not_scalar
 from ._pool import get_mesh, module_root, worker_pool
 
 # Tolerances (fp32 on CPU). Parallelism changes only the order of floating-point sums
@@ -159,14 +161,6 @@ def _slice(batch: Any, dp: int, index: int) -> Any:
     return {k: v.chunk(dp)[index] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _call(model: torch.nn.Module, batch: Any, forward: Callable | None) -> Any:
-    if forward is not None:
-        return forward(model, batch)
-    if isinstance(batch, dict):
-        return model(**{k: v for k, v in batch.items() if k != "labels"})
-    return model(batch)
-
-
 _MISUSE = {"TypeError": TypeError, "ValueError": ValueError}
 
 
@@ -191,14 +185,14 @@ def _run_on_rank(roots: list[str], payload: bytes, shape: tuple[int, int]) -> li
     # The comparison means something only if the reference is a function of the seed and
     # the batch: check build() against itself and the reference's forward against itself
     # first, so neither is blamed on parallelize (every rank finds the same: they agree).
-    misuse = _build_differs(ref, model, job.seed) or _forward_differs(ref, job, job.batches[0])
+    misuse = build_differs(ref, model, job.seed) or forward_differs(ref, job, job.batches[0])
     if _any_rank(misuse is not None):
         return [misuse] if misuse is not None else []
     job.parallelize(model, mesh)
     opt, ref_opt = job.optimizer(list(model.parameters())), job.optimizer(list(ref.parameters()))
     seen: dict[str, list] = {}
     ref_seen: dict[str, list] = {}
-    hooks = _capture(model, seen, gather=True) + _capture(ref, ref_seen, gather=False)
+    hooks = capture(model, seen, gather=True) + capture(ref, ref_seen, gather=False)
     out: list = []
     try:
         for step in range(job.steps):
@@ -207,11 +201,11 @@ def _run_on_rank(roots: list[str], payload: bytes, shape: tuple[int, int]) -> li
             batch = job.batches[step % len(job.batches)]
             mine = _slice(batch, shape[0], dp_index)
             seen.clear(), ref_seen.clear()
-            output, ref_loss = _call(model, mine, job.forward), job.loss_fn(_call(ref, batch, job.forward), batch)
+            output, ref_loss = call_model(model, mine, job.forward), job.loss_fn(call_model(ref, batch, job.forward), batch)
             off = _compare_outputs(seen, ref_seen, step, shape, mesh, job.rtol, where)
             loss, failed = _loss_or_error(job.loss_fn, output, mine)
-            misuse = _not_scalar(ref_loss, "the reference's output") or (
-                None if failed is not None else _not_scalar(loss, "the parallel model's output"))
+            misuse = not_scalar(ref_loss, "the reference's output") or (
+                None if failed is not None else not_scalar(loss, "the parallel model's output"))
             if _any_rank(bool(off) or failed is not None or misuse is not None):  # every rank stops together
                 if misuse is not None:
                     return [misuse]
@@ -238,66 +232,6 @@ def _run_on_rank(roots: list[str], payload: bytes, shape: tuple[int, int]) -> li
     return out
 
 
-def _build_differs(ref: torch.nn.Module, again: torch.nn.Module, seed: int) -> tuple | None:
-    """A misuse record if two ``build()`` calls after ``torch.manual_seed(seed)`` differ
-    (names or values of parameters and buffers)."""
-    mine, theirs = dict(again.state_dict(keep_vars=True)), ref.state_dict(keep_vars=True)
-    for name in list(theirs) + [n for n in mine if n not in theirs]:
-        a, b = theirs.get(name), mine.get(name)
-        if a is None or b is None or a.shape != b.shape or not torch.equal(a.detach(), b.detach()):
-            what = "in one of them only" if a is None or b is None else "with different values"
-            return ((-1, 0, 0), f"build() does not follow the seed: two calls after torch.manual_seed({seed}) give "
-                    f"{name!r} {what}; build must draw every random number from torch's global generator "
-                    f"(no seeding of its own, no numpy or random), or the parallel model cannot start equal "
-                    f"to the reference", "ValueError")
-    return None
-
-
-def _forward_differs(ref: torch.nn.Module, job: "_Job", batch: Any) -> tuple | None:
-    """A misuse record if two forwards of the reference on ``batch`` differ (dropout or
-    another random op in training mode), naming the first module, in the order modules
-    finish, whose output changed. Runs copies of ``ref`` and restores the RNG state, so
-    the check changes nothing the comparison then sees."""
-    import copy
-
-    try:
-        copies = [copy.deepcopy(ref) for _ in range(2)]
-    except Exception:  # noqa: BLE001 - a model that does not deep-copy goes unchecked here
-        return None
-    state = torch.get_rng_state()
-    runs = []
-    try:
-        for probe in copies:  # the second run draws the random numbers after the first's
-            seen = {}
-            hooks = _capture(probe, seen, gather=False)
-            try:
-                _call(probe, batch, job.forward)
-            finally:
-                for h in hooks:
-                    h.remove()
-            runs.append(seen)
-    finally:
-        torch.set_rng_state(state)
-    first, second = runs
-    for name, leaves in first.items():
-        if any(a.shape != b.shape or _error(b, a) > job.rtol for a, b in zip(leaves, second.get(name, []))):
-            label = f"module {name!r}" if name else "the model (root module)"
-            return ((-1, 1, 0), f"the reference is not deterministic (dropout? set p=0 / eval()): two forwards of "
-                    f"batches[0] give different outputs, first at {label}; check_parallel compares the parallel "
-                    f"model with it output by output, so it must be a function of the weights and the batch",
-                    "ValueError")
-    return None
-
-
-def _not_scalar(loss: Any, of: str) -> tuple | None:
-    """A misuse record if ``loss`` is not a one-element tensor."""
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        return None
-    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-    return ((-1, 2, 0), f"loss_fn must return a scalar tensor (a mean over the batch, e.g. F.cross_entropy(...) "
-            f"with its default reduction); on {of} it returned {got}", "TypeError")
-
-
 def _loss_or_error(loss_fn: Callable, output: Any, batch: Any):
     """(loss, None), or (None, the exception): a plan that is already wrong often makes
     the loss raise (shapes); the module that went wrong first is the better answer."""
@@ -311,33 +245,6 @@ def _any_rank(flag: bool) -> bool:
     t = torch.tensor([float(flag)])
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    t = t.detach()
-    return (t.full_tensor() if isinstance(t, DTensor) else t).float()
-
-
-def _capture(model: torch.nn.Module, into: dict, gather: bool) -> list:
-    """Forward hooks recording each module's first output of a step, in finishing order."""
-    from torch.utils._pytree import tree_flatten
-
-    def hook(name):
-        def record(module, args, output):
-            if name in into:  # a recompute (activation checkpointing) runs forward again
-                return
-            leaves = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
-            into[name] = [_full(x) if gather else x.detach().float() for x in leaves]
-        return record
-
-    return [m.register_forward_hook(hook(name)) for name, m in model.named_modules()]
-
-
-def _error(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> float:
-    scale = max(want.abs().max().item() if want.numel() else 0.0, floor, 1e-30)
-    return (got - want).abs().max().item() / scale if want.numel() else 0.0
 
 
 def _aligned(local: torch.Tensor, ref: torch.Tensor, dp: int, dp_index: int, tp: int, tp_index: int):
@@ -369,7 +276,7 @@ def _compare_outputs(seen: dict, ref_seen: dict, step: int, shape, mesh, rtol: f
             if found is None:
                 continue
             want, what = found
-            err = _error(got, want)
+            err = rel_error(got, want)
             if err > rtol:
                 label = f"module {name!r}" if name else "the model (root module)"
                 part = f" (output {i})" if len(leaves) > 1 else ""
@@ -387,7 +294,7 @@ def _compare_grads(model, ref, step: int, rtol: float, where: str) -> list:
     out = []
     for order, (fqn, p) in enumerate(model.named_parameters()):
         r = ref_params.get(fqn)
-        got = None if p.grad is None else _full(p.grad)
+        got = None if p.grad is None else gathered(p.grad)
         want = None if r is None or r.grad is None else r.grad.float()
         if (got is None) != (want is None):
             out.append(((step, 3, order), f"step {step}: parameter {fqn!r} has "
@@ -396,7 +303,7 @@ def _compare_grads(model, ref, step: int, rtol: float, where: str) -> list:
             continue
         if got is None:
             continue
-        err = _error(got, want, GRAD_FLOOR * largest)
+        err = rel_error(got, want, GRAD_FLOOR * largest)
         if err > rtol:
             out.append(((step, 3, order), f"step {step}: the gradient of parameter {fqn!r} differs from the "
                         f"reference's: max|diff| / max(max|ref|, {GRAD_FLOOR:g} x the largest gradient) = "
@@ -420,7 +327,7 @@ def _compare_params(model, ref, step: int, phase: int, when: str, atol: float, w
             out.append(((step, phase, order), f"step {step}: parameter {fqn!r} is not in the reference model "
                         f"({when}); parallelize must keep parameter names ({where})"))
             continue
-        full = _full(p)
+        full = gathered(p)
         if full.shape != r.shape:
             out.append(((step, phase, order), f"step {step}: parameter {fqn!r} gathers to shape "
                         f"{tuple(full.shape)}, the reference's is {tuple(r.shape)} ({when}; {where})"))
