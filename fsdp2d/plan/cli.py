@@ -3,21 +3,23 @@
     fsdp2d plan --config configs/llama3_70b_64gpu.toml --nodes 1024 --gpus-per-node 8 --gpu h100
     fsdp2d plan --config CONFIG [--config-overlay FILE] [--world-size W | --nodes N --gpus-per-node G]
                 [--gpu h100|h200|a100] [--rank R] [--json] [--section.key=value ...]
-    fsdp2d plan --search --config CONFIG --world-size W [--gpu ...] [--json] [--write-overlay FILE]
+    fsdp2d plan --search --config CONFIG --world-size W [--gpu ...] [--json] [--write-overlay FILE [--force]]
 
 Runs rank 0 and the last rank (or ``--rank R``) of the job with
 :func:`fsdp2d.plan.dry_run` (fake process group + ``FakeTensorMode``: the real mesh, TP
 plan, ``fully_shard``, activation checkpointing and training step, no weights
 allocated), side by side in forked processes, one per CPU (a single rank, or a single
-CPU: in this process), then prints per rank the measured memory, padding and
-collectives per mesh axis, and the roofline estimate of :mod:`fsdp2d.plan.estimate` for
-the GPU. ``--search`` ranks every configuration of the model on the world size instead
+CPU: in this process), each printing a line as a stage starts, then prints per rank the
+measured memory, padding and collectives per mesh axis, and the roofline estimate of
+:mod:`fsdp2d.plan.estimate` for the GPU. ``--search`` ranks every configuration of the model on the world size instead
 (:mod:`fsdp2d.plan.search`).
 
 A world size other than the config's changes the FSDP degree (``parallel.dp``) and keeps
 the per-rank batch (``training.global_batch`` scales with the data-parallel ranks)
 unless ``--training.global_batch`` is given. Errors (a world size the parallel dims do
-not divide, an unknown GPU, a rank outside the world) exit with code 2 and one message.
+not divide or that is not whole nodes, more than 2^20 GPUs, an unknown GPU, a rank outside
+the world, a ``--write-overlay`` file that exists or is the config) exit with code 2 and
+one message, before any dry run or search.
 """
 
 from __future__ import annotations
