@@ -475,8 +475,10 @@ def all_gather(x: torch.Tensor, dim: int, group: Group, global_size: int | None 
     x = x.contiguous()
     out = x.new_empty((k, *x.shape))
     all_gather_into(out.view(-1), x.view(-1), group)
-    if dim == 0 and all(s == step for s in sizes):
-        return out.view(k * step, *x.shape[1:])
+    if all(s == step for s in sizes):  # even: (k, ..., step, ...) -> (..., k * step, ...), one copy at
+        # most, none when the dims before ``dim`` have size 1 (a micro-batch of one sequence)
+        merged = (*x.shape[:dim], k * step, *x.shape[dim + 1:])
+        return out.movedim(0, dim).contiguous().view(merged)
     return torch.cat([out[i].narrow(dim, 0, s) for i, s in enumerate(sizes)], dim)
 
 
@@ -491,6 +493,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     step = max(sizes) if sizes else 0
     if dim == 0 and step * k == size:
         inp = x.contiguous()
+    elif step * k == size:  # even: the chunks stacked (k, ..., step, ...) by one copy at most (see all_gather)
+        inp = x.unflatten(dim, (k, step)).movedim(dim, 0).contiguous()
     else:  # stack the (padded) chunks: one copy, whatever the dim
         pieces = []
         for i, s in enumerate(sizes):

@@ -140,7 +140,7 @@ class Unshard:
         gathered = out.view(self.k, self.total)
         if self.params:  # one copy op for the whole group, into the padded unsharded storage
             torch.split_with_sizes_copy(gathered, [p.segment_numel for p in self.params], dim=1,
-                                        out=[p.padded.view(self.k, -1) for p in self.params])
+                                        out=[p.padded_by_rank for p in self.params])
 
     def reshard(self) -> None:
         if self._gather is not None:  # finish the collective, drop what it brought
