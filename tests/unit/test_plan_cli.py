@@ -206,7 +206,9 @@ def test_a_huge_accumulation_is_counted_not_copied():
     the figure at 3 plus (2^20 - 3) times the difference between 4 and 3."""
     import multiprocessing
 
-    with multiprocessing.get_context("fork").Pool(1) as pool:
+    # spawn, not fork: a fork of this process (gloo and OpenMP threads already running) crashed
+    # in the child (a segfault clearing DTensor's sharding cache, a deadlock at start-up)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
         three, four, huge = pool.map(_dry, [3, 4, 2**20])
     assert (three["accum"], four["accum"], huge["accum"]) == (3, 4, 2**20)
     n = 2**20 - 3

@@ -40,7 +40,9 @@ def searched():
     choices, rejected = S.candidates(base, WORLD, WORLD, BATCH)
     assert len(choices) == 12 and rejected == []  # tp 1 (dp 2), 2 (dp 1; mb 1, 2); 3 modes; 2 grad_syncs
     configs = {c: S.configure(base, c, BATCH) for c in choices}
-    with multiprocessing.get_context("fork").Pool(2) as pool:
+    # spawn, not fork: a fork of this process (gloo and OpenMP threads already running) crashed
+    # in the child (a segfault clearing DTensor's sharding cache, a deadlock at start-up)
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
         direct = dict(pool.map(_direct, list(configs.items())))
     peaks = sorted(m["peak"] for m in direct.values())
     small = dataclasses.replace(GPUS["h100"], name="test GPU", hbm_bytes=peaks[len(peaks) // 2])
