@@ -30,7 +30,7 @@ from .scan import check_ids
 from .sources import ResolvedSource, SourceSpec, resolve_source
 from .split import split_store
 from .store import TokenStore, open_legacy, open_store
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer, TokenizerRecord, load_tokenizer
 from .train_data import SourceData, TrainData
 
 if TYPE_CHECKING:
@@ -59,7 +59,8 @@ class Prepared:
 
     specs: list[SourceSpec]
     stores: list[TokenStore]
-    tokenizer: str
+    tokenizer: TokenizerRecord
+    """The tokenizer the tokens were made with (the stores' own, whatever data.tokenizer says)."""
     vocab_size: int | None
     bos_id: int | None
     eos_id: int | None
@@ -93,6 +94,16 @@ def _store_specials(stores: list[TokenStore], specs: list[SourceSpec]) -> tuple[
         raise DataError(f"the sources were tokenized differently (tokenizer, vocab, bos, eos): {seen}: pretokenize "
                         f"them all with one tokenizer and the same BOS/EOS")
     return next(iter(seen.values()), ("", None, None, None))
+
+
+def _record(tok: Tokenizer | None, stores: list[TokenStore]) -> TokenizerRecord:
+    """What the tokens were made with: the loaded tokenizer (raw sources, or data.tokenizer
+    checked against the stores), else the stores' manifest's, else unknown (flat files)."""
+    if tok is not None:
+        return TokenizerRecord(tok.name, None if tok.name == "bytes" else tok.digest)
+    named = next((s.manifest["tokenizer"] for s in stores if s.manifest.get("tokenizer")), None)
+    return TokenizerRecord(None, None, False) if named is None else \
+        TokenizerRecord.of_store(str(named.get("name")), str(named.get("sha256")))
 
 
 def _check_vocab(cfg: JobConfig, vocab: int | None, what: str) -> None:
@@ -136,7 +147,7 @@ def prepare_data(cfg: JobConfig, *, progress: bool = True, scan: bool = True) ->
     if scan:
         for store, spec in zip(stores, specs):
             check_ids(store, cfg.model.vocab_size, spec.label)
-    return Prepared(specs, stores, cfg.data.tokenizer, vocab, bos, eos)
+    return Prepared(specs, stores, _record(tok, stores), vocab, bos, eos)
 
 
 def build_data(cfg: JobConfig, dp_rank: int, dp_size: int | None = None, *, prepared: Prepared | None = None,

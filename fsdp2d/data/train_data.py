@@ -17,6 +17,7 @@ from .sources import SourceSpec
 from .split import train_prefix_matches
 from .store import TokenStore
 from .stream import TokenStream
+from .tokenizer import TokenizerRecord
 
 __all__ = ["SourceData", "TrainData", "DataStateError"]
 
@@ -67,7 +68,8 @@ class TrainData:
     eos_id: int | None
     seed: int = 0
     eval_fraction: float = 0.0
-    tokenizer: str = "bytes"
+    tokenizer: TokenizerRecord = TokenizerRecord("bytes")
+    """What the tokens were made with (checkpoints record it: :meth:`TokenizerRecord.extra`)."""
 
     @property
     def eval_tokens(self) -> TokenStream:
