@@ -136,7 +136,11 @@ def prepare_data(cfg: JobConfig, *, progress: bool = True, scan: bool = True) ->
         raise DataError(f"data.tokenizer={cfg.data.tokenizer} is not the tokenizer the token stores were made with: "
                         f"set data.tokenizer to that one (see their manifest.json) or pretokenize again")
     _check_vocab(cfg, vocab, "the token stores' tokenizer")
+    shared = any((t := s.manifest.get("tokenizer") or {}).get("eos_id") is not None and t.get("bos_id") == t["eos_id"]
+                 for s in stores)  # BOS = EOS: one separator per document stands for both (specials)
     for name, asked, have in (("bos", cfg.data.bos, bos), ("eos", cfg.data.eos, eos)):
+        if asked and shared and (bos is not None or eos is not None):
+            continue
         if asked is not None and asked != (have is not None):
             raise DataError(f"data.{name}={str(asked).lower()} but the tokens were made {'with' if have is not None else 'without'} "
                             f"{name.upper()}: pretokenize them again (--no-{name} leaves it out), or leave data.{name} unset")
