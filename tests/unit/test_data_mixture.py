@@ -156,6 +156,36 @@ def test_changed_data_or_mixture_is_refused_in_one_line(tmp_path, tok):
         run.load_state_dict({"epoch": 0, "consumed": 8, "seed": 0, "num_sequences": 10, "seq_len": 16})
 
 
+def test_a_resume_that_would_make_other_tokens_of_the_same_files_is_refused(tmp_path, tok):
+    """Review of issue 29: a checkpoint saved with data.eos=false resumed with eos unset (EOS
+    on) was taken for appended data (581 -> 588 sequences) and sample 0 read other tokens.
+    The state records each source's BOS/EOS ids, text field and format; a change is refused in
+    one line naming it. (text_field: a column of the same text under another name.)"""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cfg = _mixture(tmp_path, tok, (3, 1), "--data.eos=false")
+    books = pq.read_table(tmp_path / "books.parquet")
+    pq.write_table(books.append_column("body", books.column("text")), tmp_path / "books.parquet", row_group_size=7)
+    run = build_data(cfg, dp_rank=0)
+    next(run.train)
+    state = json.loads(json.dumps(run.state_dict()))
+    assert build_data(cfg, dp_rank=0).load_state_dict(state) is None  # the same settings continue
+    for extra, words in (([], "data.eos (the EOS id after each document) was None when the checkpoint was saved and "
+                              "is 1 now, so the same files are other tokens"),
+                         (["--data.eos=false", "--data.bos=false"], "data.bos (the BOS id before each document) was 0")):
+        with pytest.raises(DataStateError, match=words.replace("(", "\\(").replace(")", "\\)")) as err:
+            build_data(load_config(tmp_path / "job.toml", extra), dp_rank=0).load_state_dict(state)
+        assert "\n" not in str(err.value)
+    job = (tmp_path / "job.toml").read_text()
+    for source, line, words in (("web", 'format = "jsonl"', "source 'web': the format was 'auto'"),
+                                ("books.parquet", 'text_field = "body"', "source 'books': the text_field was 'text'")):
+        path = f'path = "{tmp_path / source}"\n'
+        (tmp_path / "other.toml").write_text(job.replace(path, f"{path}{line}\n"))
+        with pytest.raises(DataStateError, match=words):
+            build_data(load_config(tmp_path / "other.toml", ["--data.eos=false"]), dp_rank=0).load_state_dict(state)
+
+
 def test_vocab_checks_before_the_first_step(tmp_path, tok):
     """Issue 32 item 13: a bad id a third of the way into a uint32 corpus was found only
     at the step that read it (33 steps in, nothing saved)."""
