@@ -10,7 +10,8 @@ A source is one of:
 * **legacy**: flat ``uint16``/``uint32`` ``.bin`` files with no index
   (``data.format=uint16|uint32``), each file read as one document.
 
-``format=auto`` decides by content: a store folder, a ``save_to_disk`` folder, or the
+``format=auto`` decides by content: a store folder (fsdp2d's ``manifest.json`` and
+``tokens.bin``), a ``save_to_disk`` folder, or the
 files under a folder with record suffixes (:data:`~fsdp2d.data.detect.DATA_SUFFIXES`), or
 else its text files. Every file's content is checked against its name and the format
 asked for (:func:`~fsdp2d.data.detect.check_kind`).
@@ -31,8 +32,9 @@ __all__ = ["SourceSpec", "ResolvedSource", "resolve_source", "FORMATS", "STORE_M
 
 FORMATS = ("auto", "text", "jsonl", "parquet", "arrow", "tokens", "uint16", "uint32")
 STORE_MANIFEST = "manifest.json"
-_FAMILY_SUFFIXES = {"text": TEXT_SUFFIXES, "jsonl": JSONL_SUFFIXES + (".json",), "parquet": (".parquet",),
-                    "arrow": (".arrow",)}
+_FAMILY_SUFFIXES = {"text": TEXT_SUFFIXES, "jsonl": JSONL_SUFFIXES, "parquet": (".parquet",), "arrow": (".arrow",)}
+"""What a folder contributes for a format (a file given by name is read whatever its suffix:
+a folder's ``manifest.json`` or ``dataset_info.json`` is no corpus)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,13 @@ def _store_manifest(folder: Path) -> dict | None:
     except (OSError, ValueError):
         return {}
     return manifest if isinstance(manifest, dict) else {}
+
+
+def _is_store(root: Path, manifest: dict | None) -> bool:
+    """A folder of fsdp2d's tokens (or an older pretokenize's): its manifest and tokens.bin.
+    Another tool's manifest.json beside a corpus does not make one."""
+    return manifest is not None and (root / "tokens.bin").is_file() and \
+        (manifest.get("format") == "fsdp2d-tokens" or "tokens" in manifest)
 
 
 def _tokens_source(spec: SourceSpec, root: Path, manifest: dict | None) -> ResolvedSource:
@@ -125,7 +134,7 @@ def resolve_source(spec: SourceSpec) -> ResolvedSource:
                             f"data.format=auto or tokens")
         return ResolvedSource(spec, root, "legacy", [(f, spec.format) for f in list_files(root, (".bin",))])
     manifest = _store_manifest(root) if root.is_dir() else None
-    if spec.format == "tokens" or (spec.format == "auto" and manifest is not None):
+    if spec.format == "tokens" or (spec.format == "auto" and _is_store(root, manifest)):
         return _tokens_source(spec, root, manifest)
     files = _raw_files(spec, root)
     if not files:

@@ -93,7 +93,7 @@ def prepare_data(cfg: JobConfig, *, progress: bool = True) -> Prepared:
     try:
         scan = os.environ.get(DATA_CHECKED) != "1" and os.environ.get("RANK", "0") == "0"  # one scan per job
         return _prepare(cfg, progress=progress, scan=scan)
-    except (DataError, FileNotFoundError, ImportError) as exc:
+    except (DataError, OSError, ImportError) as exc:  # (an unreadable file: the OS's message names it)
         raise ConfigError(str(exc)) from None
 
 
