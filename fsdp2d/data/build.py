@@ -106,6 +106,23 @@ def _record(tok: Tokenizer | None, stores: list[TokenStore]) -> TokenizerRecord:
         TokenizerRecord.of_store(str(named.get("name")), str(named.get("sha256")))
 
 
+def _refuse_shared_files(stores: list[TokenStore], specs: list[SourceSpec]) -> None:
+    """No file's bytes in two sources (one source twice, a folder and a file in it, two
+    stores of one corpus): each source holds out its own documents, so the copy held out
+    by one would be trained on by the other. Within a source, files of equal bytes are the
+    corpus' own (its duplicates: deduplicate before, if they matter)."""
+    owner: dict[str, tuple[str, str]] = {}
+    for store, spec in zip(stores, specs):
+        for row in (store.manifest.get("sources") or [{}])[0].get("files", []):  # [name, size, mtime, sha256, docs, ...]
+            if len(row) < 5 or not row[4]:
+                continue
+            first = owner.setdefault(row[3], (spec.label, row[0]))
+            if first[0] != spec.label:
+                raise DataError(f"source {spec.label!r} file {row[0]} and source {first[0]!r} file {first[1]} hold the "
+                                f"same bytes (sha256 {row[3][:16]}...): a document held out for evaluation in one would "
+                                f"be trained on in the other; leave the file in one source only")
+
+
 def _check_vocab(cfg: JobConfig, vocab: int | None, what: str) -> None:
     if vocab is not None and cfg.model.vocab_size < vocab:
         raise DataError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of {what} ({vocab} "
@@ -131,6 +148,7 @@ def prepare_data(cfg: JobConfig, *, progress: bool = True, scan: bool = True) ->
             stores.append(open_store(r.root))
         else:
             stores.append(open_legacy([f for f, _ in r.files], r.files[0][1]))
+    _refuse_shared_files(stores, specs)
     digest, vocab, bos, eos = _store_specials(stores, specs)
     if tok is not None and digest and digest != tok.digest:
         raise DataError(f"data.tokenizer={cfg.data.tokenizer} is not the tokenizer the token stores were made with: "

@@ -95,6 +95,32 @@ def _tokens_source(spec: SourceSpec, root: Path, manifest: dict | None) -> Resol
     return ResolvedSource(spec, root, "tokens")
 
 
+def _datasets_in_walk(root: Path, files: list[Path]) -> list[Path]:
+    """A folder walk's files, with each ``save_to_disk`` folder under ``root`` read as its
+    state.json lists (``cache-*.arrow`` files that ``map``/``filter`` leave beside the data
+    are no rows of it); a DatasetDict under ``root`` is refused naming its splits (reading
+    them all would train on the test split)."""
+    out, done, kind = [], set(), {}  # kind: folder -> "dict", "dataset" or "" (each looked at once)
+
+    def kind_of(p: Path) -> str:
+        if p not in kind:
+            kind[p] = "dict" if (p / "dataset_dict.json").is_file() else "dataset" if (p / "state.json").is_file() else ""
+        return kind[p]
+
+    for f in files:
+        folders = [p for p in f.parents if p == root or root in p.parents]  # f's folders, up to root
+        for p in folders:
+            if kind_of(p) == "dict":
+                hf_dataset_files(p)  # raises, naming the splits
+        dataset = next((p for p in folders if kind_of(p) == "dataset"), None)
+        if dataset is None:
+            out.append(f)
+        elif dataset not in done:
+            done.add(dataset)
+            out.extend(hf_dataset_files(dataset))
+    return out
+
+
 def _raw_files(spec: SourceSpec, root: Path) -> list[tuple[Path, str]]:
     want = None if spec.format == "auto" else spec.format
     if spec.path == STDLIB and want is None:  # Python's sources: its text files, whatever else it ships
@@ -110,6 +136,8 @@ def _raw_files(spec: SourceSpec, root: Path) -> list[tuple[Path, str]]:
             files = list_files(root, DATA_SUFFIXES)
         except FileNotFoundError:
             files = list_files(root, TEXT_SUFFIXES)
+    if root.is_dir() and want in (None, "arrow"):
+        files = _datasets_in_walk(root, files)
     out = []
     for f in files:
         try:
@@ -120,7 +148,19 @@ def _raw_files(spec: SourceSpec, root: Path) -> list[tuple[Path, str]]:
             raise
         if kind != "empty":
             out.append((f, kind))
+    _refuse_links_to_one_file(out)
     return out
+
+
+def _refuse_links_to_one_file(files: list[tuple[Path, str]]) -> None:
+    """One file reached twice (a link inside the folder to another of its files) would be
+    read twice: its documents counted double, one copy maybe held out while the other trains."""
+    seen: dict[tuple[int, int], Path] = {}
+    for f, _ in files:
+        st = f.stat()
+        if (other := seen.setdefault((st.st_dev, st.st_ino), f)) != f:
+            raise DataError(f"{f} and {other} are the same file (a link): it would be read twice, and a document "
+                            f"held out for evaluation in one copy trained on in the other; remove the link")
 
 
 def resolve_source(spec: SourceSpec) -> ResolvedSource:

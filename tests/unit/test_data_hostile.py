@@ -126,3 +126,51 @@ def test_json_lines_in_a_txt_file_and_json_files_in_a_folder(tmp_path):
         assert source.kind == "raw" and source.files == [(web / "a.jsonl", "jsonl")], fmt
     with pytest.raises(DataError, match="is not a token store: it has no fsdp2d manifest.json"):
         resolve_source(SourceSpec(str(web), "tokens"))
+
+
+def test_a_parent_of_datasets_folders_reads_their_rows_only(tmp_path):
+    """format=auto over a folder of save_to_disk folders also read the cache-*.arrow files
+    that datasets' map/filter leave beside the data (rows of another table); each datasets
+    folder is now read as its state.json lists, and a DatasetDict under the folder (its test
+    split beside its train split) is refused naming the splits."""
+    import shutil
+
+    ds = write(tmp_path / "corpus" / "ds", texts(20), "arrow")
+    shutil.copy(ds / "data-00000-of-00002.arrow", ds / "cache-0123abcd.arrow")
+    write(tmp_path / "corpus" / "more.jsonl", texts(3), "jsonl")
+    names = [f.name for f, _ in resolve_source(SourceSpec(str(tmp_path / "corpus"))).files]
+    assert names == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow", "more.jsonl"]
+    (tmp_path / "corpus" / "dd").mkdir()
+    shutil.copytree(ds, tmp_path / "corpus" / "dd" / "train")
+    (tmp_path / "corpus" / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    with pytest.raises(DataError, match="dd is a DatasetDict \\(splits 'train', 'test'\\)"):
+        resolve_source(SourceSpec(str(tmp_path / "corpus")))
+
+
+def test_one_file_read_twice_is_refused(tmp_path):
+    """A link inside the folder to another of its files, or one file (or a copy) in two
+    sources: its documents were read twice, and a document held out for evaluation in one
+    copy was trained on in the other. Refused in one line naming both."""
+    from fsdp2d.data import prepare_data
+    from fsdp2d.train.config import load_config
+
+    web = tmp_path / "web"
+    write(web / "a.jsonl", texts(30), "jsonl")
+    (web / "b.jsonl").symlink_to(web / "a.jsonl")
+    with pytest.raises(DataError, match="b.jsonl and .*a.jsonl are the same file \\(a link\\)"):
+        resolve_source(SourceSpec(str(web)))
+    (web / "b.jsonl").unlink()
+    (tmp_path / "copy.jsonl").write_bytes((web / "a.jsonl").read_bytes())
+    for other in (web / "a.jsonl", tmp_path / "copy.jsonl"):
+        (tmp_path / "job.toml").write_text(f"""[data]
+workers = 0
+[[data.sources]]
+path = "{web}"
+[[data.sources]]
+name = "other"
+path = "{other}"
+[metrics]
+runs_dir = "{tmp_path / 'runs'}"
+""")
+        with pytest.raises(DataError, match="source 'other' file .* and source 'web' file a.jsonl hold the same bytes"):
+            prepare_data(load_config(tmp_path / "job.toml"), progress=False)
