@@ -179,15 +179,19 @@ def build_data(cfg: JobConfig, dp_rank: int, dp_size: int | None = None, *, prep
     p = prepared or prepare_data(cfg, progress=False, scan=scan)
     dp_size = cfg.dp_degree if dp_size is None else dp_size
     d, T = cfg.data, cfg.data.seq_len
+    blend = Blend([spec.weight for spec in p.specs])
+    G = dp_size * cfg.micro_batch  # one global micro-batch: no sequence may be read twice in it
     sources = []
-    for i, (spec, store) in enumerate(zip(p.specs, p.stores)):
+    for i, (spec, store, need) in enumerate(zip(p.specs, p.stores, blend.most_in(G).tolist())):
         train, held = split_store(store, d.eval_fraction, d.seed, i)
         n = (len(train) - 1) // T
-        if n < 1:
-            raise DataError(f"source {spec.label!r} ({spec.path}) has {len(train)} train tokens, fewer than one "
-                            f"sequence of seq_len + 1 = {T + 1}: use more data or a smaller data.seq_len")
+        if n < need:
+            batch = f"one global micro-batch of {G} ({dp_size} data-parallel rank(s) x micro_batch {cfg.micro_batch})"
+            what = batch if need == G else f"the {need} samples its weight gives {batch}"
+            raise DataError(f"source {spec.label!r} ({spec.path}) has {len(train)} train tokens: {n} sequence(s) of "
+                            f"seq_len + 1 = {T + 1} tokens, fewer than {what}, so a step would read a sequence twice: "
+                            f"use more data, or a smaller data.seq_len or training.micro_batch")
         sources.append(SourceData(spec, store, train, held, n))
-    blend = Blend([s.spec.weight for s in sources])
     orders = [SourceOrder(s.sequences, d.seed, i) for i, s in enumerate(sources)]
     names = [s.spec.label for s in sources]
     batches = Batches([s.train for s in sources], orders, blend, T, cfg.micro_batch, dp_rank, dp_size,

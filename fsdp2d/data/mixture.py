@@ -65,6 +65,13 @@ class Blend:
         period, o = divmod(int(k), PERIOD)
         return period * self.quota + self.prefix[o]
 
+    def most_in(self, window: int) -> np.ndarray:
+        """Each source's most samples among any ``window`` consecutive samples of the run
+        (the order repeats every PERIOD, so the starts of one period are all there is)."""
+        starts = np.arange(PERIOD)
+        period, o = np.divmod(starts + int(window), PERIOD)
+        return (period[:, None] * self.quota + self.prefix[o] - self.prefix[starts]).max(axis=0)
+
 
 @dataclass(frozen=True)
 class Era:

@@ -186,6 +186,26 @@ def test_a_resume_that_would_make_other_tokens_of_the_same_files_is_refused(tmp_
             build_data(load_config(tmp_path / "other.toml", ["--data.eos=false"]), dp_rank=0).load_state_dict(state)
 
 
+def test_a_source_too_small_for_its_part_of_a_micro_batch_is_refused(tmp_path, tok):
+    """Review of issue 29: a corpus of one sequence trained on it repeated in every sample of
+    every step (the data code before refused a train split smaller than one global micro-batch).
+    Each source must hold the most samples its weight gives any one global micro-batch."""
+    blend = Blend([3.0, 1.0, 0.01])
+    for window in (1, 8, 100, PERIOD + 3):
+        brute = np.max([blend.counts(k + window) - blend.counts(k) for k in range(PERIOD)], axis=0)
+        assert blend.most_in(window).tolist() == brute.tolist()
+    assert Blend([1.0]).most_in(8).tolist() == [8]
+    cfg = _mixture(tmp_path, tok, (3, 1), "--data.seq_len=64")
+    write(tmp_path / "books.parquet", texts(2, 3), "parquet")  # 102 tokens: 1 sequence, fewer than its share of 8
+    need = Blend([3.0, 1.0]).most_in(8)[1]
+    with pytest.raises(DataError, match=f"source 'books' .*: 1 sequence\\(s\\) of seq_len \\+ 1 = 65 tokens, fewer than "
+                                        f"the {need} samples its weight gives one global "
+                                        "micro-batch of 8 \\(1 data-parallel rank\\(s\\) x micro_batch 8\\)"):
+        build_data(cfg, dp_rank=0)
+    cfg.training.micro_batch = 2  # a global micro-batch of 2 gives it at most one sample
+    assert Blend([3.0, 1.0]).most_in(2)[1] == 1 and build_data(cfg, dp_rank=0).sources[1].sequences == 1
+
+
 def test_vocab_checks_before_the_first_step(tmp_path, tok):
     """Issue 32 item 13: a bad id a third of the way into a uint32 corpus was found only
     at the step that read it (33 steps in, nothing saved)."""
