@@ -9,8 +9,8 @@ rank stops together, before any rank writes. What is checked:
 * ``parallel.device=cuda`` needs CUDA;
 * a run without resume refuses a run folder that holds an earlier run (its rotation
   would sort both runs' checkpoints by step and delete the new one): ``--resume``, a
-  new ``metrics.run_name``, or ``--overwrite`` (which deletes the earlier run's config,
-  metrics and checkpoints, and nothing else);
+  new ``metrics.run_name``, or ``--overwrite`` (which deletes the earlier run's files that
+  a new run would add to: :func:`clear_earlier_run`);
 * the data (:func:`prepare_data`): every source exists and is what it says, raw sources
   are tokenized once into the cache, ``model.vocab_size`` covers the tokenizer and every
   token id in the memory maps (the launcher checks this before torchrun starts and tells
@@ -70,11 +70,19 @@ def check_run_folder(cfg: JobConfig) -> None:
 
 
 def clear_earlier_run(cfg: JobConfig) -> None:
-    """(``--overwrite``, rank 0.) Delete the earlier run's files that fsdp2d writes."""
+    """(``--overwrite``, rank 0.) Delete the earlier run's files that fsdp2d writes and a new
+    run would add to (its config, metrics, sample log, loss plot, TensorBoard events,
+    checkpoints and HF export), nothing else: its logs stay, and its token cache, which is
+    keyed by content, is reused."""
     from fsdp2d.checkpoint import CheckpointManager
+    from fsdp2d.checkpoint._replace import remove_export
 
-    for name in ("config.toml", "metrics.jsonl"):
-        (cfg.run_dir / name).unlink(missing_ok=True)
+    run = cfg.run_dir
+    for name in ("config.toml", "metrics.jsonl", "samples.jsonl", "loss.png"):
+        (run / name).unlink(missing_ok=True)
+    for events in (run / "tensorboard").glob("events.out.tfevents.*"):  # else TensorBoard draws both runs as one
+        events.unlink()
+    remove_export(run / "hf")
     manager = CheckpointManager(cfg.checkpoint_dir)
     for step in manager.steps():
         manager.remove(step)
