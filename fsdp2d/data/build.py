@@ -129,8 +129,10 @@ def _check_vocab(cfg: JobConfig, vocab: int | None, what: str) -> None:
                         f"ids): set model.vocab_size={vocab} (or more)")
 
 
-def prepare_data(cfg: JobConfig, *, progress: bool = True, scan: bool = True) -> Prepared:
-    """Resolve, tokenize (once, into the cache) and check every source (see the module doc).
+def prepare_data(cfg: JobConfig, *, progress: bool = True, scan: bool = True,
+                 shard: tuple[int, int] = (0, 1)) -> Prepared:
+    """Resolve, tokenize (once, into the cache) and check every source (see the module doc);
+    ``scan``: check every token id, this ``shard`` (index, count) of each store.
 
     Raises DataError / FileNotFoundError / ImportError with a one-line message."""
     specs = source_specs(cfg)
@@ -168,7 +170,7 @@ def prepare_data(cfg: JobConfig, *, progress: bool = True, scan: bool = True) ->
                         ": use a tokenizer.json with an EOS token (data.eos=true), or data.document_mask=false")
     if scan:
         for store, spec in zip(stores, specs):
-            check_ids(store, cfg.model.vocab_size, spec.label)
+            check_ids(store, cfg.model.vocab_size, spec.label, shard)
     return Prepared(specs, stores, _record(tok, stores), vocab, bos, eos)
 
 

@@ -14,9 +14,10 @@ rank stops together, before any rank writes. What is checked:
 * the data (:func:`prepare_data`): every source exists and is what it says, raw sources
   are tokenized once into the cache, ``model.vocab_size`` covers the tokenizer and every
   token id in the memory maps (the launcher checks this before torchrun starts and tells
-  the ranks so through :data:`DATA_CHECKED`; under an outside torchrun rank 0 checks it
-  and the ranks agree); each source holds a sequence, and the eval split one per source when
-  the run evaluates.
+  the ranks so through :data:`DATA_CHECKED`; under an outside torchrun each rank scans
+  1/world of every store and the ranks agree, so the collective waits for no long scan);
+  each source holds its part of a global micro-batch, and the eval split a sequence per
+  source when the run evaluates.
 * a resumed run has steps left to train (``check_steps_left``, after the checkpoint loaded).
 """
 
@@ -99,8 +100,10 @@ def prepare_data(cfg: JobConfig, *, progress: bool = True) -> Prepared:
     """Sources resolved and tokenized (once), vocabulary and ids checked: ConfigError
     (one line) for anything that would otherwise surface mid-run."""
     try:
-        scan = os.environ.get(DATA_CHECKED) != "1" and os.environ.get("RANK", "0") == "0"  # one scan per job
-        return _prepare(cfg, progress=progress, scan=scan)
+        scan = os.environ.get(DATA_CHECKED) != "1"  # the launcher scanned already
+        worker = "LOCAL_RANK" in os.environ  # a torchrun worker: each rank scans its 1/world of every store
+        shard = (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))) if worker else (0, 1)
+        return _prepare(cfg, progress=progress, scan=scan, shard=shard)
     except (DataError, OSError, ImportError) as exc:  # (an unreadable file: the OS's message names it)
         raise ConfigError(str(exc)) from None
 

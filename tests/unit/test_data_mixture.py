@@ -217,6 +217,16 @@ def test_vocab_checks_before_the_first_step(tmp_path, tok):
     with pytest.raises(DataError, match=r"tokens.bin: token id 70000 at token offset 10007 \(of 30000; source "
                                         r"'tokens'\) is >= model.vocab_size=256"):
         prepare_data(cfg)
+    # Under an outside torchrun each of n ranks scans 1/n of every store (rank 0 alone read it
+    # all while the others waited in a collective with a timeout): the bad id is in rank 1's
+    # third, named by its offset in the file.
+    found = []
+    for rank in range(3):
+        try:
+            prepare_data(cfg, shard=(rank, 3))
+        except DataError as exc:
+            found.append((rank, "at token offset 10007 (of 30000" in str(exc)))
+    assert found == [(1, True)]
     small = _mixture(tmp_path / "m", tok, (1, 1), "--model.vocab_size=100")
     with pytest.raises(DataError, match=r"model.vocab_size=100 is smaller than the vocabulary of tokenizer .*"
                                         r"tokenizer.json \(300 ids\): set model.vocab_size=300"):

@@ -181,6 +181,25 @@ def test_a_folder_named_fsdp2d_in_the_working_directory_is_named(tmp_path):
     assert proc.stderr.count("\n") == 1 and f"the folder {clone} (in the current directory) hides" in proc.stderr
 
 
+def test_the_workers_import_the_fsdp2d_the_launcher_runs(tmp_path):
+    """Review of issue 29: the launcher starts the workers with PYTHONSAFEPATH=1 (no current
+    directory on their path), so `python -m fsdp2d.train` from a checkout's root ran that
+    checkout in the launcher and the installed copy (or none: ModuleNotFoundError on every
+    rank) in the workers. The checkout's folder now goes on their PYTHONPATH."""
+    import shutil
+
+    shutil.copytree(ROOT / "fsdp2d", tmp_path / "fsdp2d", ignore=shutil.ignore_patterns("__pycache__"))
+    probe = ("import subprocess, sys, fsdp2d; from fsdp2d.train.cli import _child_env; "
+             "from fsdp2d.train.config import load_config; env = _child_env(load_config(None, []), 1, 0.0); "
+             "print(fsdp2d.__file__); sys.stdout.flush(); "
+             "subprocess.run([sys.executable, '-c', 'import fsdp2d; print(fsdp2d.__file__)'], env=env)")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    want = str(tmp_path / "fsdp2d" / "__init__.py")
+    assert out.stdout.splitlines() == [want, want], out
+
+
 # -- fsdp2d plot ---------------------------------------------------------------------------------
 def test_plot_help_and_old_metrics(tmp_path, capsys):
     """Issue 32: `fsdp2d plot --help` was a traceback (it read '--help' as a run folder).
