@@ -6,7 +6,8 @@
 many nodes, e.g. inside a SLURM allocation) it uses their environment. After a torchrun
 restart (``--max-restarts``) it resumes from the latest checkpoint that verifies.
 Mistakes found before the run starts (config, device, run folder, data: see
-``preflight``) are one line on stderr and exit code 2, with nothing written. Failures in
+``preflight``) are one line on stderr and exit code 2, with nothing written but the token
+cache of raw sources tokenized before the refusal (reused by the next start). Failures in
 the workers end the same way, never with torchrun's report: one line, exit code 2 (1 for
 an unexpected exception), the traceback in ``RUN/logs/`` (see :mod:`fsdp2d.train.failure`).
 Start-up prints a line per phase, timed from the command (``[+3.2s] mesh ...``).
