@@ -72,7 +72,7 @@ def test_a_token_store_run_records_exports_and_describes_its_own_tokenizer(tmp_p
             assert f"; tokenizer {tok.resolve()}, bos 1, eos 2" in out, out
             assert (hf / "tokenizer.json").read_bytes() == tok.read_bytes()
         else:
-            assert f"; tokenizer {tok.resolve()} (sha256 " in out and "not found, so the HF export has no" in out, out
+            assert f"; tokenizer {tok.resolve()} (sha256 " in out and "not found; set data.tokenizer to it, or the HF export has no" in out, out
             assert (hf / "model.safetensors").is_file() and not (hf / "tokenizer.json").exists()
             assert generate([str(trainer.ckpts.latest()), "--max-new-tokens", "1"]) == 1
             err = capsys.readouterr().err

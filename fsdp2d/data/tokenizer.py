@@ -83,8 +83,8 @@ class TokenizerRecord:
         if self.name is None:
             return "unknown (token files that name none: generate needs --tokenizer, the HF export has none)"
         if not self.found:
-            return (f"{self.name} (sha256 {self.sha256[:12]}..., the token store's: not found, so the HF export has "
-                    f"no tokenizer and generate needs --tokenizer)")
+            return (f"{self.name} (sha256 {self.sha256[:12]}..., the token store's: not found; set data.tokenizer to "
+                    f"it, or the HF export has no tokenizer and generate needs --tokenizer)")
         return self.name
 
 

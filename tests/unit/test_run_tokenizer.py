@@ -71,7 +71,8 @@ def test_a_token_store_names_its_own_tokenizer(tmp_path):
     shutil.move(tmp_path / "tok", tmp_path / "elsewhere")
     gone = _prepared(tmp_path, f"--data.path={tmp_path / 'store'}").tokenizer
     assert gone == TokenizerRecord(str(tok.resolve()), file_sha256(tmp_path / "elsewhere" / "tokenizer.json"), False)
-    assert "not found, so the HF export has no tokenizer and generate needs --tokenizer" in str(gone)
+    assert "not found; set data.tokenizer to it, or the HF export has no tokenizer and generate needs --tokenizer" \
+        in str(gone)
 
 
 def test_generate_and_export_refuse_a_recorded_tokenizer_that_is_gone_or_changed(tmp_path, capsys):
