@@ -246,9 +246,9 @@ def nccl_mesh(device: torch.device) -> dict:
         g = mesh.get_group(axis)
         out[axis] = {"backend": dist.get_backend(g), "is_world": g.group_name == dist.group.WORLD.group_name,
                      "high_priority": _high_priority(g) if device.type == "cuda" else "n/a (gloo)"}
-    if device.type == "cuda":
+    if device.type == "cuda":  # (an axis spanning the world is the default group, high-priority too: issue 30)
         out["ok"] = out["backend"] == "nccl" and out["dp"]["high_priority"] is True and \
-            out["tp"]["high_priority"] is not True
+            (out["tp"]["high_priority"] is not True or out["tp"]["is_world"])
     return out
 
 
@@ -258,31 +258,35 @@ def nccl_collectives(device: torch.device) -> dict:
     mesh = fsdp2d.init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp", "tp"))
     cuda = device.type == "cuda"
     x = torch.arange(1.0, 9.0, device=device)
-    bad, ran = [], []
+    checks, ran = [], []  # (name, 0-dim bool on the device): read after the sync check
+
+    def same(name: str, *pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        checks.append((name, torch.stack([(a == b).all() for a, b in pairs]).all()))  # no host read
 
     def run():
         for name, group in (("world", None), ("dp", mesh.get_group("dp"))):
             out = torch.empty(8, device=device)
             dist.all_gather_single(out, x, group=group)
             ran.append(f"{name}/all_gather")
-            bad.extend([f"{name}/all_gather"] if not torch.equal(out, x) else [])
+            same(f"{name}/all_gather", (out, x))
             for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) if cuda else (dist.ReduceOp.SUM,):
                 rs, ar = torch.empty(8, device=device), x.clone()
                 dist.reduce_scatter_single(rs, x, op=op, group=group)
                 dist.all_reduce(ar, op=op, group=group)
                 ran.append(f"{name}/{op}")
-                bad.extend([f"{name}/{op}"] if not (torch.equal(rs, x) and torch.equal(ar, x)) else [])
+                same(f"{name}/{op}", (rs, x), (ar, x))
             if cuda:
                 pre, y = x.clone(), x.clone()
                 dist.all_reduce(pre, op=dist._make_nccl_premul_sum(0.5), group=group)
                 dist.all_reduce(y, group=group, async_op=True).wait()
                 ran.append(f"{name}/premul_sum+async")
-                bad.extend([f"{name}/premul_sum"] if not (torch.equal(pre, x * 0.5) and torch.equal(y, x)) else [])
+                same(f"{name}/premul_sum", (pre, x * 0.5), (y, x))
 
     run()  # NCCL makes each group's communicator at its first collective: not under the sync check
-    bad.clear()
+    checks.clear()
     ran.clear()
     res = sync_check(run, device)
+    bad = [name for name, ok in checks if not bool(ok)]  # the host reads the results now, after the check
     return {"ok": res["sync_error"] is None and not bad, "ran": ran, "wrong_values": bad,
             "sync_error": res["sync_error"]}
 
@@ -301,27 +305,47 @@ def cpu_offload(device: torch.device, size: dict, steps: int = 3) -> dict:
     cfg = job_config(device, size, bf16=False)
     mesh = fsdp2d.init_device_mesh(device.type, (1,), mesh_dim_names=("dp",))
     models, losses = [], []
-    # (pin_memory=False on a CPU-only machine: a CPU mesh's meta-device parameters make
-    # fsdp2d pin its flat buffers there, which needs an accelerator)
-    for offload in (None, fsdp2d.CPUOffloadPolicy(pin_memory=device.type == "cuda")):
+    # (pin_memory=False on a CPU-only machine: pinning needs an accelerator)
+    def build(offload):
         with torch.device("meta"):
             model = Llama(cfg.model.to_args())
         extra = {"offload_policy": offload} if offload is not None else {}
         for block in model.layers:
             fsdp2d.fully_shard(block, mesh=mesh, **extra)
         fsdp2d.fully_shard(model, mesh=mesh, **extra)
-        _materialise(model, device)
+        return model
+
+    policy = fsdp2d.CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    refused = None
+    if device.type == "cuda":  # materialised on the GPU: refused by name, as torch's FSDP2 refuses it
+        wrong = build(policy)
+        _materialise(wrong, device)
+        try:
+            wrong(batch(cfg, device)[0])
+        except RuntimeError as e:
+            refused = str(e).splitlines()[0][:200]
+        del wrong
+    for offload in (None, policy):
+        model = build(offload)
+        if offload is None:
+            _materialise(model, device)
+        else:  # torch's rule for CPU offload: materialise on the CPU; the group gathers to the GPU
+            model.to_empty(device="cpu")
+            init_local(model, device)
         if models:  # the same starting values (the RNG of a CPU shard differs from CUDA's)
             with torch.no_grad():
                 for p, q in zip(model.parameters(), models[0].parameters()):
                     local_of(p).copy_(local_of(q))
         models.append(model)
     x, y = batch(cfg, device)
+    grads_on: set = set()
     for model in models:
         opt, run = torch.optim.AdamW(model.parameters(), lr=1e-3), []
         for _ in range(steps):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
             loss.backward()
+            grads_on |= {local_of(p.grad).device.type for p in model.parameters() if p.grad is not None} \
+                if model is models[1] else set()
             opt.step()
             opt.zero_grad()
             run.append(loss.detach())
@@ -330,10 +354,11 @@ def cpu_offload(device: torch.device, size: dict, steps: int = 3) -> dict:
     param_diff = max((local_of(p).detach().cpu() - local_of(q).detach().cpu()).abs().max().item()
                      for p, q in zip(*(m.parameters() for m in models)))
     devices = sorted({local_of(p).device.type for p in models[1].parameters()})
+    cuda_refused = refused is not None and "materialise the parameters on the CPU" in refused
     return {"ok": loss_diff <= 1e-5 and param_diff <= 1e-5 and all(map(math.isfinite, losses[1].tolist()))
-            and devices == ["cpu"],
+            and devices == ["cpu"] and (device.type != "cuda" or (cuda_refused and grads_on == {"cpu"})),
             "loss_abs_diff": loss_diff, "param_abs_diff": param_diff, "losses": losses[1].tolist(),
-            "offloaded_shards_on": devices}
+            "offloaded_shards_on": devices, "offloaded_grads_on": sorted(grads_on), "to_empty_cuda_refused": refused}
 
 
 class DeviceReads(TorchDispatchMode):

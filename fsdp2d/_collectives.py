@@ -45,6 +45,7 @@ bit-identical and tagged alike; the transport itself is :mod:`fsdp2d._shm`.)
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable
 
@@ -286,7 +287,8 @@ def all_gather_rows(inp: torch.Tensor, group: Group) -> Exchange | None:
     return Exchange(pending, lambda parts: parts.__setitem__(me, inp))
 
 
-def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, info: _Peers) -> Exchange:
+def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, info: _Peers,
+                             divide: float = 1.0) -> Exchange:
     n, me = out.numel(), info.me
     _check(inp, out, info.k, "reduce_scatter_into")
     out, inp = out.view(-1), inp.view(-1)
@@ -298,6 +300,8 @@ def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group,
         torch.add(parts[0], parts[1], out=out)
         for j in range(2, info.k):
             out.add_(parts[j])
+        if divide != 1.0:
+            out.div_(divide)
 
     return Exchange(pending, finish)
 
@@ -316,36 +320,92 @@ def _exchange_all_reduce(x: torch.Tensor, group: Group, info: _Peers, inplace: b
         pending.release()
 
 
-def _run(exchange: Callable, native: Callable, out: torch.Tensor, inp: torch.Tensor, group: Group,
-         async_op: bool) -> Any:
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Any:
+    """``out`` (k * inp.numel(), flat) = every rank's ``inp`` in group-rank order.
+    With ``async_op`` returns a handle whose ``wait()`` completes it."""
     if _funcol.watched():  # torch's CommDebugMode counts functional collectives only
-        gather = exchange is _exchange_all_gather
-        if gather:
-            _check(out, inp, group_size(group), "all_gather_into")
-        else:
-            _check(inp, out, group_size(group), "reduce_scatter_into")
-        work = (_funcol.all_gather if gather else _funcol.reduce_scatter)(out, inp, group)
-        return work if async_op else None
-    info = _exchange_peers(group, inp)
-    if info is not None:
-        work = exchange(out, inp, group, info)
+        _check(out, inp, group_size(group), "all_gather_into")
+        work = _funcol.all_gather(out, inp, group)
     else:
-        work = native(out, inp, group=group, async_op=True)
+        info = _exchange_peers(group, inp)
+        work = _exchange_all_gather(out, inp, group, info) if info is not None else \
+            dist.all_gather_single(out, inp, group=group, async_op=True)
+    return _finish(work, async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False,
+                        divide: float = 1.0, force_sum: bool = False) -> Any:
+    """``out`` (flat) = the sum over ranks of chunk ``rank`` of ``inp`` (k * out.numel()),
+    divided by ``divide`` (see :func:`reduce_op`; ``force_sum``: SUM, then a division)."""
+    if _funcol.watched():
+        _check(inp, out, group_size(group), "reduce_scatter_into")
+        work = _funcol.reduce_scatter(out, inp, group)  # (completed: a sum)
+        return _finish(_Then(work, out, divide) if divide != 1.0 else work, async_op)
+    info = _exchange_peers(group, inp)
+    if info is not None:  # divides as it finishes
+        return _finish(_exchange_reduce_scatter(out, inp, group, info, divide), async_op)
+    op, after = reduce_op(group, divide, inp, force_sum)
+    work = dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
+    return _finish(_Then(work, out, after) if after != 1.0 else work, async_op)
+
+
+def _finish(work: Any, async_op: bool) -> Any:
     if async_op:
         return work
     work.wait()
     return None
 
 
-def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Any:
-    """``out`` (k * inp.numel(), flat) = every rank's ``inp`` in group-rank order.
-    With ``async_op`` returns a handle whose ``wait()`` completes it."""
-    return _run(_exchange_all_gather, dist.all_gather_single, out, inp, group, async_op)
+class _Then:
+    """The handle of a sum whose division comes after it (``x /= divide`` once waited)."""
+
+    def __init__(self, work: Any, x: torch.Tensor, divide: float) -> None:
+        self.work, self.x, self.divide = work, x, divide
+
+    def wait(self) -> bool:
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait()
+            self.x.div_(self.divide)
+        return True
 
 
-def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Any:
-    """``out`` (flat) = the sum over ranks of chunk ``rank`` of ``inp`` (k * out.numel())."""
-    return _run(_exchange_reduce_scatter, dist.reduce_scatter_single, out, inp, group, async_op)
+_BACKENDS: "weakref.WeakKeyDictionary[Group, str]" = weakref.WeakKeyDictionary()
+DIVIDING_BACKENDS = ("nccl", "fake", "emulated")  # NCCL and what stands in for it: the fake group (`fsdp2d plan`,
+# the scale probes) and fsdp2d.testing.emulated_pg (the GPU probe's P3), which divides as NCCL does
+
+
+def _backend(group: Group) -> str:
+    name = _BACKENDS.get(group)
+    if name is None:
+        try:
+            name = str(dist.get_backend(group))
+        except (ValueError, RuntimeError):  # not a registered group
+            name = ""
+        _BACKENDS[group] = name
+    return name
+
+
+@functools.lru_cache(maxsize=64)
+def _premul_sum(factor: float) -> Any:
+    return dist._make_nccl_premul_sum(factor)
+
+
+def reduce_op(group: Group, divide: float, x: torch.Tensor, force_sum: bool = False) -> tuple[Any, float]:
+    """(the reduce op, the division left after it) for a sum over ``group`` divided by
+    ``divide``: NCCL divides inside the collective, as torch FSDP2 has it do, with
+    ``AVG`` when ``divide`` is the group's size and ``PREMUL_SUM(1/divide)`` otherwise,
+    in float32 and bfloat16 (a narrower dtype would risk underflow: torch's rule too).
+    Elsewhere, or with ``force_sum``, SUM and then a division (none at ``divide=1``)."""
+    if divide == 1.0:
+        return dist.ReduceOp.SUM, 1.0
+    name = _backend(group)
+    native = name in DIVIDING_BACKENDS or (x.is_cuda and "cuda:nccl" in name.split(","))
+    if force_sum or not native or x.dtype not in (torch.float32, torch.bfloat16):
+        return dist.ReduceOp.SUM, divide
+    if divide == group_size(group):
+        return dist.ReduceOp.AVG, 1.0
+    return _premul_sum(1.0 / divide), 1.0
 
 
 def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM, *,
@@ -366,19 +426,22 @@ def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
     return x
 
 
-def all_reduce_start(x: torch.Tensor, group: Group) -> Any:
-    """Start an in-place sum of contiguous ``x`` over the group and return a handle whose
-    ``wait()`` completes it (on NCCL the wait makes the current stream wait, the host does
-    not), or None when the sum is already in ``x``: one rank, and the transports that run
-    at once (the two-rank pairwise exchange, ``CommDebugMode``'s functional collective)."""
-    if group_size(group) == 1:
-        return None
-    if _funcol.watched() or (group_size(group) == 2 and _exchange_peers(group, x) is not None):
+def all_reduce_start(x: torch.Tensor, group: Group, divide: float = 1.0, force_sum: bool = False) -> Any:
+    """Start an in-place sum of contiguous ``x`` over the group, divided by ``divide``
+    (see :func:`reduce_op`), and return a handle whose ``wait()`` completes it (on NCCL
+    the wait makes the current stream wait, the host does not), or None when the result
+    is already in ``x``: one rank, and the transports that run at once (the two-rank
+    pairwise exchange, ``CommDebugMode``'s functional collective)."""
+    if group_size(group) == 1 or _funcol.watched() or (group_size(group) == 2 and _exchange_peers(group, x) is not None):
         y = all_reduce(x, group)
         if y is not x:
             x.copy_(y)
+        if divide != 1.0:
+            x.div_(divide)
         return None
-    return dist.all_reduce(x, group=group, async_op=True)
+    op, after = reduce_op(group, divide, x, force_sum)
+    work = dist.all_reduce(x, op=op, group=group, async_op=True)
+    return work if after == 1.0 else _Then(work, x, after)
 
 
 def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -412,8 +475,10 @@ def all_gather(x: torch.Tensor, dim: int, group: Group, global_size: int | None 
     x = x.contiguous()
     out = x.new_empty((k, *x.shape))
     all_gather_into(out.view(-1), x.view(-1), group)
-    if dim == 0 and all(s == step for s in sizes):
-        return out.view(k * step, *x.shape[1:])
+    if all(s == step for s in sizes):  # even: (k, ..., step, ...) -> (..., k * step, ...), one copy at
+        # most, none when the dims before ``dim`` have size 1 (a micro-batch of one sequence)
+        merged = (*x.shape[:dim], k * step, *x.shape[dim + 1:])
+        return out.movedim(0, dim).contiguous().view(merged)
     return torch.cat([out[i].narrow(dim, 0, s) for i, s in enumerate(sizes)], dim)
 
 
@@ -428,6 +493,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     step = max(sizes) if sizes else 0
     if dim == 0 and step * k == size:
         inp = x.contiguous()
+    elif step * k == size:  # even: the chunks stacked (k, ..., step, ...) by one copy at most (see all_gather)
+        inp = x.unflatten(dim, (k, step)).movedim(dim, 0).contiguous()
     else:  # stack the (padded) chunks: one copy, whatever the dim
         pieces = []
         for i, s in enumerate(sizes):

@@ -41,12 +41,18 @@ def _share(g: torch.Tensor, world: int) -> float:
     return math.prod(layout.mesh_shape) / world
 
 
+@torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale gradients in place so their global ``norm_type``-norm is at most ``max_norm``.
 
-    Returns the total norm (before clipping), identical on every rank. Collective: every
-    rank must call it with the matching parameters.
+    Returns the total norm (before clipping), identical on every rank, as a device
+    tensor: nothing is read on the host (no sync) unless ``error_if_nonfinite``. The ops
+    it dispatches do not grow with the number of parameters: one ``_foreach_norm`` and a
+    few reductions per kind of layout (gradients grouped by their weight in the
+    world-wide sum, device and dtype: one or two groups in a model), one all-reduce, and
+    one ``_foreach_mul_`` per device and dtype, as torch's foreach path. Collective:
+    every rank must call it with the matching parameters.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [(g, local_of(g)) for g in (p.grad for p in params) if g is not None]
@@ -54,24 +60,35 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     world = _world()
     # A rank without gradients still joins the all-reduce, on the parameters' device.
     device = grads[0][1].device if grads else (params[0].device if params else torch.device("cpu"))
-    if norm_type == math.inf:
-        local = max((g.detach().abs().max().float() for _, g in grads if g.numel()), default=torch.zeros((), device=device))
-        total = local.clone().reshape(1)
+    if norm_type == math.inf:  # duplicates do not change a maximum: every nonempty gradient counts
+        maxima = [torch.stack(torch._foreach_norm(gs, math.inf)).max().float()
+                  for gs in _buckets((None, g) for _, g in grads).values()]
+        total = torch.stack(maxima).max().reshape(1) if maxima else torch.zeros(1, device=device)
         if world > 1:
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
         total = total[0]
     else:
         acc = torch.zeros(1, dtype=torch.float64, device=device)
-        for dg, g in grads:
-            share = _share(dg, world)
-            if share and g.numel():
-                acc += torch.linalg.vector_norm(g.detach().double(), norm_type) ** norm_type * share
+        for (share, _, _), gs in _buckets((_share(dg, world), g) for dg, g in grads).items():
+            norms = torch.stack(torch._foreach_norm(gs, norm_type, dtype=torch.float32)).double()
+            acc += norms.pow_(norm_type).sum() * share  # |g|_p^p, summed in float64 as before
         if world > 1:
             dist.all_reduce(acc)
         total = (acc[0] ** (1.0 / norm_type)).float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {total.item()}")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for _, g in grads:
-        g.detach().mul_(coef.to(g.dtype))
+    for (_, dev, dtype), gs in _buckets((None, g) for _, g in grads).items():
+        torch._foreach_mul_(gs, coef.to(dev, dtype))
     return total
+
+
+def _buckets(weighted: Iterable[tuple[float | None, torch.Tensor]]) -> dict[tuple, list[torch.Tensor]]:
+    """Nonempty local gradients grouped by (weight, device, dtype), in first-seen order:
+    one foreach op per group (weight 0, a copy another rank owns, is left out; ``None``
+    groups by device and dtype only)."""
+    out: dict[tuple, list[torch.Tensor]] = {}
+    for share, g in weighted:
+        if share != 0 and g.numel():
+            out.setdefault((share, g.device, g.dtype), []).append(g)
+    return out

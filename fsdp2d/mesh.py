@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DeviceMesh", "init_device_mesh", "joined", "axis_names", "axis_size", "coordinate", "root_of"]
+__all__ = ["DeviceMesh", "init_device_mesh", "joined", "axis_names", "axis_size", "coordinate", "root_of",
+           "shutdown"]
 
 
 def _ensure_process_group(device_type: str, world_size: int) -> None:
@@ -36,9 +37,16 @@ def _ensure_process_group(device_type: str, world_size: int) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if device_type == "cuda" else "gloo"
+    kwargs = {}
+    if device_type == "cuda":
+        # Bound to its device: NCCL creates the communicator at once (eager init, errors at
+        # start-up rather than at the first collective), and axis groups split from it
+        # (see _axis_group). High-priority streams: a data-parallel axis that spans the
+        # world runs on this group (see _high_priority).
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        kwargs = {"device_id": device, "pg_options": _high_priority_options(_default_nccl_timeout())}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # After a torchrun restart the agent's store can still hold the previous
@@ -48,11 +56,11 @@ def _ensure_process_group(device_type: str, world_size: int) -> None:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                                   is_master=False, timeout=timedelta(minutes=30))
             store = dist.PrefixStore(f"fsdp2d/attempt_{restart}", store)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
         else:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **kwargs)
     elif world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     else:
         raise RuntimeError(
             f"init_device_mesh: a mesh of {world_size} ranks needs a launcher; run under "
@@ -160,31 +168,60 @@ def _high_priority(device_type: str, name: str | None) -> bool:
     data-parallel axes (every axis but ``tp``, the trainer's convention) on NCCL. Their
     collectives (FSDP's all-gathers and reduce-scatters, HSDP's all-reduce) run beside
     compute and are waited for by it, so the GPU should schedule their kernels first,
-    as torch FSDP2 does. gloo (and the fake backend) have no streams: unchanged."""
+    as torch FSDP2 does. gloo (and the fake backend) have no streams: unchanged. (An axis
+    spanning the whole world is the default group, high-priority when fsdp2d made it.)"""
     return device_type == "cuda" and name != "tp" and "nccl" in str(dist.get_backend())
 
 
-def _new_axis_groups(mesh: torch.Tensor, axis: int, high_priority: bool = False) -> dist.ProcessGroup:
-    """Create a group for every line along ``axis`` (all ranks call this in the same
-    order, as c10d requires) and return the one containing this rank. Each inherits
-    the default group's timeout: ``new_group`` would otherwise use torch's default (30
-    minutes on gloo), and a stopped peer would hang a sub-group collective that long.
-    ``high_priority``: NCCL groups with high-priority streams (then a line of the whole
-    world is a group of its own too: the default group's streams are not)."""
-    rank = dist.get_rank()
-    lines = mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis])
+def _default_nccl_timeout() -> timedelta | None:
+    from torch.distributed import constants
+
+    return getattr(constants, "default_pg_nccl_timeout", None)
+
+
+def _high_priority_options(timeout: timedelta | None):
+    """Fresh NCCL options with high-priority streams (each group writes into its own)."""
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    if timeout is not None:  # new_group warns when the options' timeout differs from its own
+        options._timeout = timeout
+    return options
+
+
+def _splits() -> bool:
+    """Whether axis groups are split from the default group: NCCL bound to a device
+    (``device_id``, as fsdp2d's own initialisation does), on a torch with ``split_group``.
+    One ``split_group`` per axis makes every line's communicator with ``ncclCommSplit``
+    (cheaper than a fresh rendezvous per line, and one call instead of one per line)."""
+    split = getattr(dist.distributed_c10d, "split_group", None)
+    if split is None or "nccl" not in str(dist.get_backend()):
+        return False
+    return getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None) is not None
+
+
+def _axis_group(mesh: torch.Tensor, axis: int, high_priority: bool = False, name: str | None = None
+                ) -> dist.ProcessGroup:
+    """The group of this rank's line along ``axis`` (all ranks call this in the same
+    order, as c10d requires). A line of the whole world in rank order is the default
+    group, reused: no second world-sized communicator (its NCCL buffers and set-up).
+    Otherwise one ``split_group`` for the axis (see :func:`_splits`), or a ``new_group``
+    per line. Each inherits the default group's timeout: ``new_group`` would otherwise
+    use torch's default (30 minutes on gloo), and a stopped peer would hang a sub-group
+    collective that long. ``high_priority``: NCCL groups with high-priority streams."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lines = mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis]).tolist()
+    if lines[0] == list(range(world)):
+        return dist.group.WORLD
     timeout = group_timeout()
+    if _splits():
+        options = _high_priority_options(timeout) if high_priority else None
+        group = dist.distributed_c10d.split_group(split_ranks=lines, timeout=timeout, pg_options=options,
+                                                  group_desc=f"mesh_{name or f'dim{axis}'}")
+        assert group is not None  # every rank is on a line
+        return group
     mine = None
-    for line in lines.tolist():
-        if len(line) == dist.get_world_size() and not high_priority:
-            group = dist.group.WORLD  # the whole world in rank order: reuse it
-        elif high_priority:  # fresh options per group: new_group writes into them
-            options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-            if timeout is not None:  # new_group warns when the options' timeout differs from its own
-                options._timeout = timeout
-            group = dist.new_group(line, timeout=timeout, pg_options=options)
-        else:
-            group = dist.new_group(line, timeout=timeout)
+    for line in lines:
+        options = _high_priority_options(timeout) if high_priority else None
+        group = dist.new_group(line, timeout=timeout, pg_options=options)
         if rank in line:
             mine = group
     assert mine is not None
@@ -196,9 +233,11 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     """A torch ``DeviceMesh`` of ``mesh_shape`` over all ranks (row-major), with named axes
     (``mesh_dim_names``; optional, as in torch, but combining TP and FSDP needs names).
 
-    Initialises the default process group if needed (gloo on CPU, NCCL on CUDA) from the
-    torchrun environment; a mesh of one rank also works with no launcher at all. On NCCL
-    every axis but ``tp`` (the data-parallel ones) gets high-priority streams.
+    Initialises the default process group if needed (gloo on CPU, NCCL on CUDA, bound to
+    ``LOCAL_RANK``'s device) from the torchrun environment; a mesh of one rank also works
+    with no launcher at all. On NCCL every axis but ``tp`` (the data-parallel ones) gets
+    high-priority streams, and each axis's groups are split from the default group with
+    one ``split_group``; an axis spanning the whole world is the default group itself.
 
     Example::
 
@@ -229,7 +268,26 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
             f"does not match the world size {world}; pick sizes whose product is {world}"
         )
     grid = torch.arange(world, dtype=torch.int).reshape(mesh_shape)
-    groups = [_new_axis_groups(grid, axis, _high_priority(device_type, names[axis] if names else None))
-              for axis in range(len(mesh_shape))]
+    groups = [_axis_group(grid, axis, _high_priority(device_type, names[axis] if names else None),
+                          names[axis] if names else None) for axis in range(len(mesh_shape))]
     return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], device_type, mesh=grid,
                                  mesh_dim_names=names)
+
+
+def shutdown(*, abort: bool) -> None:
+    """Tear down every process group. After a clean run, ``destroy_process_group()``.
+    After an exception or Ctrl-C (``abort``), collectives may be left unfinished on some
+    ranks, and destroying NCCL communicators waits for them (a hang at exit): abort them
+    instead (``_abort_process_group``: every group, in one NCCL group call), falling back
+    to destroying where this torch or backend cannot abort."""
+    if not dist.is_initialized():
+        return
+    abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort and abort_all is not None:
+        try:
+            abort_all()
+            return
+        except (RuntimeError, ValueError, NotImplementedError):
+            if not dist.is_initialized():
+                return
+    dist.destroy_process_group()

@@ -4,18 +4,18 @@ and handing each sharded parameter its reduced gradient (and, with CPU offload, 
 event an optimizer must wait for). State it reads is the group's: ``params``, ``k``,
 ``total``, ``param_dtype``, ``reduce_dtype``, ``grad_dtype``, ``accumulate_in_compute_dtype``,
 ``compute_device``, the groups, ``_reduce``,
-``_flags``, ``flat_param``, ``divide_factor``, ``offload_event``."""
+``_flags``, ``flat_param``, ``divide_factor``, ``force_sum``, ``offload``, ``offload_event``,
+``label``."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
 from .. import _collectives as C
+from .. import _streams, _trace
 from .._dtensor import as_dtensor, local_of
-from ._param import FSDPParam
 
 
 class GradReduction:
@@ -54,15 +54,21 @@ class GradReduction:
                 p.acc_grad = None
             grads.append(g)
             p.unsharded.grad = None
-        buf = self._pack_grads(grads)
+        with _trace.span("pack", self.label):
+            buf = self._pack_grads(grads)
         all_had = self._every_trainable_had(grads)
         self.counts["reduce_scatter"] += 1
         # (work, out, all_had, whether out holds the sum over the replicate axis once work is done)
         if self.k == 1:
-            self._reduce = (None, buf.view(-1), all_had, self.replicate_group is None)
+            out = buf.view(-1)
+            if self.replicate_group is None and self.divide_factor != 1:  # else the all-reduce divides
+                out.div_(self.divide_factor)
+            self._reduce = (None, out, all_had, self.replicate_group is None)
         else:
             out = buf.new_empty(self.total + len(self.params))
-            work = C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True)
+            with _trace.span("reduce_scatter", self.label):
+                work = C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True,
+                                             divide=self.divide_factor, force_sum=self.force_sum)
             self._reduce = (work, out, all_had, self.replicate_group is None)
         self.needs_reduce = False
 
@@ -133,69 +139,101 @@ class GradReduction:
         work, out, all_had, _ = self._reduce
         if work is not None:
             work.wait()
-        self._reduce = (C.all_reduce_start(out, self.replicate_group), out, all_had, True)
+        divide = self.divide_factor if self.k == 1 else 1.0  # a reduce-scatter divided already
+        self._reduce = (C.all_reduce_start(out, self.replicate_group, divide=divide, force_sum=self.force_sum),
+                        out, all_had, True)
 
     def finish_reduce(self, assign: bool = True) -> None:
         """Wait for the reduce-scatter (and the replicate all-reduce) and accumulate into
         the sharded ``.grad``s of the parameters that had a gradient (``assign=False``:
-        wait and discard)."""
+        wait and discard). The collectives divided by ``divide_factor`` already."""
         if self._reduce is None:
             return
         if assign:
             self.start_pending_all_reduce()
         work, out, all_had, _ = self._reduce
         self._reduce = None
-        if work is not None:
-            work.wait()
-        if not assign:
-            return
-        out = out.div_(self.divide_factor)  # the flag columns stay positive where some rank had one
-        # CPU offload: the sharded gradients go to the host. A new one is copied without
-        # blocking, so nothing here reads it: an event recorded after the copies is waited
-        # on once, at the end of backward (wait_offload), before an optimizer can read them
-        # on the CPU, as torch FSDP2 does. One added to an existing .grad is read by the
-        # CPU add at once, so that copy blocks (torch's rule too). (The next forward's
-        # copies of the shards to the device come before that event, so the optimizer's
-        # writes to the pinned shards cannot race them either.)
-        #
-        # Where this rank had every trainable gradient, every trainable parameter gets one:
-        # no need to read the flags (no host sync in a normal step, frozen parameters or
-        # not). Otherwise the flags say which parameters some rank had a gradient for (all
-        # ranks agree); the others keep .grad None, as in torch.
+        with _trace.span("reduce_scatter_wait", self.label):
+            if work is not None:
+                work.wait()
+        if assign:
+            self._assign_grads(out, all_had)
+
+    def _assign_grads(self, out: torch.Tensor, all_had: bool) -> None:
+        """Hand each sharded parameter its piece of the reduced ``out`` (the flag columns
+        stay positive where some rank had a gradient).
+
+        Where this rank had every trainable gradient, every trainable parameter gets one:
+        no need to read the flags (no host sync in a normal step, frozen parameters or
+        not). Otherwise the flags say which parameters some rank had a gradient for (all
+        ranks agree); the others keep .grad None, as in torch.
+
+        CPU offload: the reduced shards go to the host in one copy per group (per dtype),
+        on the side stream (:meth:`_grads_to_host`). New gradients are views of that host
+        buffer, read by nobody before the end of backward (``wait_offload``, before an
+        optimizer can read them on the CPU, as torch FSDP2 does). Adding to an existing
+        .grad reads the copy on the CPU at once, so then the host waits for it here
+        (torch's rule too). (The copies of the shards to the device that this backward
+        issued are on the same side stream, before the gradient copies, so waiting for
+        those covers them: the optimizer's writes to the pinned shards cannot race them.)"""
         host = self._offloading(self.compute_device)
-        copied = False
-        if self.flat_param is not None:  # one flat gradient (zeros where a rank had none)
+        if self.flat_param is not None:  # FSDP1: one flat gradient (zeros where a rank had none)
             flat = self.flat_param
-            copied = host and flat.grad is None
+            dtype = self._grad_dtype(flat)
+            g = self._grads_to_host(out, {dtype})[dtype] if host else out[:self.total]
             if flat.grad is None:
-                g = out[:self.total].to(flat.device, self.grad_dtype or flat.dtype, non_blocking=True)
+                g = g.to(flat.device, dtype, non_blocking=True)  # (a no-op from the host buffer)
                 meta = flat._spec.tensor_meta._replace(dtype=g.dtype)
                 set_grad(flat, as_dtensor(g, dataclasses.replace(flat._spec, tensor_meta=meta)))
             else:
-                _accumulate(local_of(flat.grad), out[:self.total], flat.dtype)
-        else:
-            had_grad = [float(p.requires_grad) for p in self.params] if all_had else out[self.total:].tolist()
-            for p, flag in zip(self.params, had_grad):
-                if flag > 0:
-                    copied = self._assign_grad(p, p.shard_in(out), host) or copied
-        if copied:
-            self.offload_event = _record_event(self.compute_device)
+                self.wait_offload()
+                _accumulate(local_of(flat.grad), g, flat.dtype)
+            return
+        had_grad = [float(p.requires_grad) for p in self.params] if all_had else out[self.total:].tolist()
+        mine = [p for p, flag in zip(self.params, had_grad) if flag > 0]
+        if host:
+            by_dtype = self._grads_to_host(out, {self._grad_dtype(p.sharded) for p in mine})
+            if any(p.sharded.grad is not None for p in mine):
+                self.wait_offload()  # an add on the CPU reads the copy now
+        for p in mine:
+            g = p.shard_in(by_dtype[self._grad_dtype(p.sharded)]) if host else p.shard_in(out)
+            current = p.sharded.grad
+            if current is None:  # (.to: a no-op from the host buffer, a cast on the device if needed)
+                g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=True)
+                set_grad(p.sharded, as_dtensor(g, p.spec(g.dtype)))
+            else:
+                _accumulate(local_of(current), g, p.sharded.dtype)
 
-    def _assign_grad(self, p: FSDPParam, g: torch.Tensor, host: bool) -> bool:
-        """Set or accumulate ``p``'s sharded gradient from ``g`` (its reduced shard on the
-        compute device); True when a copy to the host is left in flight."""
-        current = p.sharded.grad
-        if current is None:
-            g = g.to(p.sharded.device, self.grad_dtype or p.sharded.dtype, non_blocking=True)
-            set_grad(p.sharded, as_dtensor(g, p.spec(g.dtype)))
-            return host
-        _accumulate(local_of(current), g, p.sharded.dtype)
-        return False
+    def _grad_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype ``param``'s reduced shard goes to the host in: its gradient's, or the
+        reduction's to be added to an existing gradient (``_accumulate`` rounds once)."""
+        if param.grad is not None:
+            return self.reduce_dtype  # the reduce-scatter's output dtype
+        return self.grad_dtype or param.dtype
+
+    def _grads_to_host(self, out: torch.Tensor, dtypes: set[torch.dtype]) -> dict[torch.dtype, torch.Tensor]:
+        """``out[:total]`` (the reduced shards, on the compute device) copied to a fresh
+        host buffer per dtype (pinned on CUDA: the copy does not block the host), cast on
+        the way, on the side stream after the compute stream's work so far (the reduction
+        that wrote ``out``). ``out`` is held with the side stream's event until
+        :meth:`wait_offload` (see :mod:`fsdp2d._streams`)."""
+        device = self.compute_device
+        side = _streams.side_stream(device)
+        side.wait_stream(_streams.current_stream(device))
+        pin = bool(getattr(self.offload, "pin_memory", False)) and device.type == "cuda"
+        hosts = {d: torch.empty(self.total, dtype=d, pin_memory=pin) for d in sorted(dtypes, key=str)}
+        with side, _trace.span("offload_copy", self.label):
+            for h in hosts.values():
+                h.copy_(out[:self.total], non_blocking=True)
+        self.wait_offload()  # (an earlier copy of this group's not waited for: none in a normal step)
+        self.offload_event = (side.record_event(), out)
+        return hosts
 
     def wait_offload(self) -> None:
-        """Block the host until this group's gradient copies to the CPU are done."""
+        """Block the host until this group's gradient copies to the CPU are done, then
+        release what they read."""
         if self.offload_event is not None:
-            self.offload_event.synchronize()
+            self.offload_event[0].synchronize()
             self.offload_event = None
 
 
@@ -211,13 +249,6 @@ def _accumulate(current: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> N
         current.add_(g)
     else:
         current.copy_(current.to(dtype).add_(g))
-
-
-def _record_event(device: torch.device) -> Any:
-    """An event on ``device``'s current stream, after the work queued so far."""
-    event = torch.Event(device=device)
-    event.record()
-    return event
 
 
 def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -20,6 +20,10 @@ the group after that are, so it runs during that group's backward (the end of ba
 starts every pending one before waiting for any). ``wait_unshard`` and ``reshard`` drop the
 gather's handle before waiting on it: if the wait raises, the next unshard gathers again
 rather than taking the spent handle as done.
+
+This file holds the flat buffer and the group's state; the all-gather half (unshard,
+reshard, staleness and edits while gathered) is :mod:`._unshard`, the gradient half
+:mod:`._grads`.
 """
 
 from __future__ import annotations
@@ -30,36 +34,44 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _collectives as C
 from .._dtensor import as_dtensor, install_rest_hooks, local_of
 from .._stale import mark_replaced
-from ._grads import GradReduction, set_grad
+from ._grads import GradReduction
 from ._param import FSDPParam, alias
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._unshard import Unshard, _Gather
 
 
-_OPTIMIZER_STEPS = [0]
+def offload_placement(fqns: list[str], source: torch.device, mesh_device: torch.device) -> tuple[torch.device, torch.device]:
+    """With ``CPUOffloadPolicy``: (where the shards are stored, where the group computes)
+    for parameters found on ``source``. As torch's FSDP2: the shards live on the host and
+    are gathered to the mesh's device (never to the parameters' own); a meta model stays
+    meta (nothing allocated) until it is materialised. Materialised on an accelerator
+    (``to_empty(device="cuda")``, a CUDA state dict with ``assign=True``) is refused, naming
+    the parameters, as torch refuses it: an optimizer built on those objects would step
+    tensors that no longer hold the weights."""
+    if source.type not in ("cpu", "meta"):
+        names = ", ".join(fqns[:4]) + (f" and {len(fqns) - 4} more" if len(fqns) > 4 else "")
+        raise RuntimeError(f"fully_shard with CPUOffloadPolicy: {names} are on {source}; materialise the "
+                           f"parameters on the CPU (module.to_empty(device='cpu'), or load a CPU state dict), "
+                           f"as torch's FSDP2 requires: the shards stay on the host and are gathered to {mesh_device}")
+    return source, mesh_device
 
 
-def _count_step(optimizer, args, kwargs) -> None:
-    _OPTIMIZER_STEPS[0] += 1
-
-
-# Fused optimizers update parameters without bumping their version counters, so every
-# torch optimizer step is counted too: an unsharded copy gathered before a step is stale.
-register_optimizer_step_post_hook(_count_step)
-
-
-class FSDPParamGroup(GradReduction):
+class FSDPParamGroup(Unshard, GradReduction):
     def __init__(self, params: list[FSDPParam], shard_group: C.Group, replicate_group: C.Group | None,
-                 mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str) -> None:
+                 mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str,
+                 mesh_device: torch.device | None = None) -> None:
         self.params, self.fqn, self.mp, self.offload = params, fqn, mp, offload
+        self.mesh_device = mesh_device or torch.device("cpu")  # where the mesh's collectives run
+        self.label = fqn  # its module path once the root knows it (profiler ranges, errors)
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.k = C.group_size(shard_group)
         self.dp_size = self.k * C.group_size(replicate_group)
         self.divide_factor = float(self.dp_size)  # set_gradient_divide_factor: 1.0 sums gradients
+        self.force_sum = False  # set_force_sum_reduction_for_comms: SUM, then a division of its own
         offset = 0
         for p in params:
             p.offset, offset = offset, offset + p.segment_numel
@@ -79,9 +91,11 @@ class FSDPParamGroup(GradReduction):
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.unsharded = False
-        self._gather: tuple[Any, torch.Tensor] | None = None
+        self._gather: _Gather | None = None
         self._reduce: tuple[Any, torch.Tensor] | None = None
-        self.offload_event: Any = None  # gradient copies to the host in flight (see finish_reduce)
+        # CPU offload: (side-stream event, tensors it reads) of the gradient copies to the
+        # host in flight (see finish_reduce), held until the event is waited for
+        self.offload_event: tuple[Any, Any] | None = None
         self.grads_ready = 0
         self.num_trainable = 0  # set by _sync_requires_grad
         # With frozen parameters: the module's forward inputs still awaiting their
@@ -90,6 +104,7 @@ class FSDPParamGroup(GradReduction):
         self.input_waits: weakref.WeakSet = weakref.WeakSet()
         self.inputs_done = 0
         self._gathered_versions: tuple = ()  # _shard_versions() at the last gather
+        self._copied_versions: list[int] = []  # each unsharded parameter's version at the last copy-out
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
         self._flags: tuple | None = None  # (key, has-gradient flags) when every trainable one is present
@@ -101,14 +116,20 @@ class FSDPParamGroup(GradReduction):
         self.accumulate_in_compute_dtype = False  # FSDP1: no-sync sums in param_dtype (see accumulation_dtype)
         self.flat_param: torch.nn.Parameter | None = None
         self.compute_device = params[0].sharded.device if params else torch.device("cpu")
-        self._build_flat(self.compute_device)
+        self._build_flat(self.compute_device, initial=True)
 
     # -- the flat sharded buffer --------------------------------------------------------
-    def _build_flat(self, device: torch.device) -> None:
+    def _build_flat(self, device: torch.device, initial: bool = False) -> None:
         """Copy every parameter's shard rows into fresh flat buffers (one per dtype; one
         in all but mixed-dtype groups) and make each registered parameter a view of its
-        slot (the same Parameter object when it exists, so optimizers keep working)."""
-        store = torch.device("cpu") if self._offloading(device) else device
+        slot (the same Parameter object when it exists, so optimizers keep working).
+        ``device``: where the parameters were found; with CPU offload the shards are stored
+        on the host (at ``fully_shard`` a model on the accelerator moves there, as torch's;
+        later, see :func:`offload_placement`) and the group computes on the mesh's device."""
+        store = device
+        if isinstance(self.offload, CPUOffloadPolicy) and self.mesh_device.type != "cpu":
+            source = torch.device("cpu") if initial and device.type not in ("cpu", "meta") else device
+            store, device = offload_placement([p.fqn for p in self.params], source, self.mesh_device)
         current_dtypes = {p.module._parameters[p.name].dtype for p in self.params}
         if len(current_dtypes) > 1 and self.mp.param_dtype is None:
             raise ValueError(f"fully_shard({self.fqn}): parameters now have mixed dtypes {sorted(map(str, current_dtypes))}; "
@@ -121,7 +142,7 @@ class FSDPParamGroup(GradReduction):
             dtype = p.module._parameters[p.name].dtype
             p.store_offset, sizes[dtype] = sizes.get(dtype, 0), sizes.get(dtype, 0) + p.segment_numel
         self.flats = {dtype: torch.zeros(n, dtype=dtype, device=store) for dtype, n in sizes.items()}
-        if self._offloading(device) and getattr(self.offload, "pin_memory", False):
+        if store.type == "cpu" and self._offloading(device) and getattr(self.offload, "pin_memory", False):
             self.flats = {d: f.pin_memory() for d, f in self.flats.items()}
         for p in self.params:
             current = p.module._parameters[p.name]
@@ -176,10 +197,10 @@ class FSDPParamGroup(GradReduction):
 
     def _send_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's all-gather input in ``dtype``: the flat buffer itself when it has
-        that dtype, a cast copy otherwise (mixed dtypes: packed in group order)."""
+        that dtype, a cast copy otherwise (mixed dtypes: packed in group order). Blocking
+        (the training path's gather with CPU offload is :meth:`_copy_in_offloaded`)."""
         if len(self.flats) == 1:
-            flat = next(iter(self.flats.values()))
-            return flat.to(self.compute_device, dtype, non_blocking=True)
+            return next(iter(self.flats.values())).to(self.compute_device, dtype)
         send = torch.zeros(self.total, dtype=dtype, device=self.compute_device)
         for p in self.params:
             src = self.flats[p.sharded.dtype][p.store_offset:p.store_offset + p.segment_numel]
@@ -201,80 +222,6 @@ class FSDPParamGroup(GradReduction):
             self._build_flat(replaced[0].module._parameters[replaced[0].name].device)
         elif any(p.unsharded.requires_grad != p.sharded.requires_grad for p in self.params):
             self._sync_requires_grad()
-
-    # -- all-gather ------------------------------------------------------------------
-    def _shard_versions(self) -> tuple:
-        """Changes when any shard changes: in-place edits bump the version counter of the
-        flat buffer they went through (FSDP1's flat parameter) or of the shard's own
-        local tensor (an alias of the flat buffer, see ``_param.alias``); optimizer steps
-        (fused ones included) are counted globally."""
-        return (_OPTIMIZER_STEPS[0], *(f._version for f in self.flats.values()),
-                *(p.expected_local._version for p in self.params))
-
-    @property
-    def gathering(self) -> bool:
-        """An all-gather is in flight (a prefetch not yet waited for)."""
-        return self._gather is not None
-
-    def unshard(self, async_op: bool = False) -> None:
-        if (self.unsharded or self.gathering) and self._shard_versions() != self._gathered_versions:
-            # The shards changed since the gather was sent (optimizer step, load): what it
-            # brings, or brought, is stale. Free it and gather the current shards.
-            self.reshard()
-        if self.unsharded or self.gathering:
-            if not async_op:
-                self.wait_unshard()
-            return
-        send = self._send_buffer(self.param_dtype)
-        self._gathered_versions = self._shard_versions()  # what is sent, not what is there at the wait
-        self.counts["all_gather"] += 1
-        if self.k == 1:
-            self._gather = (None, send)
-        else:  # over shared memory the pieces are copied out where they lie (out None)
-            rows = C.all_gather_rows(send, self.shard_group) if self.params else None
-            out = None if rows is not None else send.new_empty(self.k * self.total)
-            self._gather = (rows, None) if rows is not None else (
-                C.all_gather_into(out, send, self.shard_group, async_op=True), out)
-        if not async_op:
-            self.wait_unshard()
-
-    def wait_unshard(self) -> None:
-        if self._gather is None:
-            return
-        work, out = self._gather
-        # Dropped before waiting: a wait that raises (a peer's timeout or size mismatch)
-        # must not leave a spent handle that the next wait would take as done, marking
-        # uninitialised storage unsharded. The next unshard gathers again (or raises again).
-        self._gather = None
-        for p in self.params:
-            p.alloc_unsharded()
-        if out is None:  # shared memory (see unshard): one copy op per rank's piece
-            sizes = [p.segment_numel for p in self.params]
-
-            def copy_out(parts: dict[int, torch.Tensor]) -> None:
-                for j, piece in parts.items():
-                    torch.split_with_sizes_copy(piece, sizes, out=[p.padded_row(j) for p in self.params])
-
-            work.wait(copy_out)
-            self.unsharded = True
-            return
-        if work is not None:
-            work.wait()
-        gathered = out.view(self.k, self.total)
-        if self.params:  # one copy op for the whole group, into the padded unsharded storage
-            torch.split_with_sizes_copy(gathered, [p.segment_numel for p in self.params], dim=1,
-                                        out=[p.padded.view(self.k, -1) for p in self.params])
-        self.unsharded = True
-
-    def reshard(self) -> None:
-        if self._gather is not None:  # finish the collective, drop what it brought
-            work, self._gather = self._gather[0], None  # first: see wait_unshard
-            if work is not None:
-                work.wait()
-        for p in self.params:
-            p.free_unsharded()
-            p.register("sharded")
-        self.unsharded = False
 
     def to_rest(self) -> None:
         """Register the sharded (DTensor) parameters if the unsharded ones are out (or an

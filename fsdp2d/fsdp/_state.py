@@ -5,12 +5,15 @@ it runs before tensor-parallel hooks and they see the unsharded parameters) and 
 hook. The first FSDP module to run forward is the root: it builds a ``_Context`` shared
 by all FSDP modules below it, which records the forward order once (for implicit
 prefetch: the next group's all-gather is started before the current group computes;
-in backward, the previous one's) and queues one callback at the end of every backward
+in backward, the previous one's in the order forwards *finished*, as torch FSDP2: the
+root finishes last, so its pre-backward prefetches the last block) and queues one callback at the end of every backward
 that flushes the remaining reduce-scatters and waits for them, so the sharded
 ``.grad``s are complete when ``backward()`` returns.
 
 Backward per group: a hook on the module's forward outputs fires when their gradient is
-ready (pre-backward: all-gather again if resharded); post-accumulate-grad hooks on the
+ready (pre-backward: all-gather again if resharded, copy out, then prefetch the next
+group to run backward: its gathered buffer is allocated after this group's is freed);
+post-accumulate-grad hooks on the
 unsharded parameters count gradients, and the last one starts the reduce-scatter and
 reshards. A group with frozen parameters also waits for the gradients of its module's
 inputs (``InputsDone``): backward may still read a frozen weight after the last gradient.
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .. import _trace
 from ._group import FSDPParamGroup
 from ._policy import MixedPrecisionPolicy
 
@@ -35,18 +39,26 @@ from ._policy import MixedPrecisionPolicy
 class _Context:
     def __init__(self, states: list["FSDPState"]) -> None:
         self.states = states
-        self.order: list[FSDPState] = []
+        self.order: list[FSDPState] = []  # by forward start (forward prefetch)
+        self.finished: list[FSDPState] = []  # by forward end (backward prefetch)
         self.recording = True
         self.callback_queued = False
         self.in_flight: list[FSDPParamGroup] = []  # reductions started, not finished (post_backward)
 
     def neighbour(self, state: "FSDPState", step: int) -> list["FSDPState"]:
-        if self.recording or state not in self.order:
+        """The state after (``step=1``: forward, by forward start) or before (``step=-1``:
+        the next to run backward, by forward end) ``state``."""
+        order = self.order if step > 0 else self.finished
+        if self.recording or state not in order:
             return []
-        i = self.order.index(state) + step
-        return [self.order[i]] if 0 <= i < len(self.order) else []
+        i = order.index(state) + step
+        return [order[i]] if 0 <= i < len(order) else []
 
     def post_backward(self, group: FSDPParamGroup) -> None:
+        with _trace.span("post_backward", group.label):
+            self._post_backward(group)
+
+    def _post_backward(self, group: FSDPParamGroup) -> None:
         if group.requires_sync and group.needs_reduce:
             # Every earlier reduction moves one stage on (FSDPParamGroup.advance_reduce): one
             # reduce-scatter stays in flight and, with HSDP, the previous group's replicate
@@ -122,13 +134,20 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None
 
     def _lazy_init(self) -> None:
-        states = [m._fsdp2d_fsdp for m in self.module.modules() if getattr(m, "_fsdp2d_fsdp", None) is not None
-                  and m._fsdp2d_fsdp.module is m]
+        paths: dict[int, list[str]] = {}  # state id -> the paths of its modules under the root
+        states = []
+        for path, m in self.module.named_modules():
+            s = getattr(m, "_fsdp2d_fsdp", None)
+            if s is not None:
+                paths.setdefault(id(s), []).append(path)
+                if s.module is m:
+                    states.append(s)
         ctx = _Context(states)
         for s in states:
             s.ctx, s.is_root = ctx, s is self
             if s.group is not None:
                 s.group.ctx = ctx
+                s.group.label = ", ".join(paths[id(s)])  # e.g. "layers.0", "norm, output", "" (root)
         if self.group is not None:  # the root's parameters are needed first in backward
             self.group.reshard_after_forward = False
 
@@ -197,6 +216,8 @@ class FSDPState:
             (self.group.reshard_after_forward or not torch.is_grad_enabled())
         if reshard:
             self.group.reshard()
+        if self.ctx.recording and last:
+            self.ctx.finished.append(self)
         if self.is_root and self.ctx.recording:
             self.ctx.recording = False
         return self._hook_output(output)
@@ -215,21 +236,31 @@ class FSDPState:
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.in_backward:
             return
-        self.in_backward = True
-        self.ctx.queue_final_callback()
-        if self.group is not None:
-            self.group.unshard(async_op=True)
-        prefetch = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.neighbour(self, -1)
-        _issue_then_copy_out(self.group, [s for s in prefetch if not s.in_backward])
+        with _trace.span("pre_backward", self.group.label if self.group is not None else ""):
+            self.in_backward = True
+            self.ctx.queue_final_callback()
+            if self.group is not None:
+                self.group.unshard(async_op=True)
+                self.group.wait_unshard()  # the copy-out (a no-op when it is still gathered)
+                self.group.register_unsharded()
+            # Then the prefetch: its gathered buffer is allocated after this group's is freed
+            # (one block fewer live at the peak). On CUDA its all-gather waits for this
+            # copy-out, whose own gather was prefetched a whole backward earlier.
+            prefetch = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.neighbour(self, -1)
+            for s in prefetch:
+                if not s.in_backward and s.group is not None:
+                    s.group.unshard(async_op=True)
 
 
 def _issue_then_copy_out(group: FSDPParamGroup | None, prefetch: Any) -> None:
-    """Issue the prefetches' all-gathers, then wait for ``group``'s own (issued by the
-    caller) and copy it out. In this order on purpose: on CUDA an NCCL collective's
-    stream first waits for the work queued so far on the compute stream, and the
-    copy-out is queued behind this group's gather, so a prefetch issued after it could
-    not start before this group's gather had finished (and on gloo it would reach the
-    transport one copy-out later): the next gather would not overlap this one."""
+    """(Forward.) Issue the prefetches' all-gathers, then wait for ``group``'s own
+    (issued by the caller) and copy it out. In this order on purpose: on CUDA an NCCL
+    collective's stream first waits for the work queued so far on the compute stream,
+    and the copy-out is queued behind this group's gather, so a prefetch issued after it
+    could not start before this group's gather had finished (and on gloo it would reach
+    the transport one copy-out later): the next gather would not overlap this one. In
+    backward the gather of the group itself was prefetched earlier (see
+    ``FSDPState._pre_backward``)."""
     for s in prefetch:
         if s.group is not None:
             s.group.unshard(async_op=True)

@@ -97,11 +97,15 @@ class FSDPModule:
             self._fsdp2d_fsdp.group.divide_factor = float(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted as torch's: fsdp2d's gradient collectives always reduce with SUM and divide
-        afterwards (what torch does with ``enable=True``), on every backend, so either value
-        leaves them as they are."""
+        """As torch's: ``True`` makes this module's gradient collectives reduce with SUM
+        and divide afterwards. By default they divide inside the collective where the
+        backend can (NCCL: ``ReduceOp.AVG``, or ``PREMUL_SUM`` for a custom factor, in
+        float32 and bfloat16; fsdp2d's pairwise exchanges on gloo divide as they sum),
+        with no separate division kernel, as torch FSDP2. This module's own group only."""
         if not isinstance(enable, bool):
             raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}")
+        if self._fsdp2d_fsdp.group is not None:
+            self._fsdp2d_fsdp.group.force_sum = enable
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for s in self._fsdp_states(recurse):
@@ -232,7 +236,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     name = "+".join(type(m).__name__ for m in modules)
     group = FSDPParamGroup(params, mesh.get_group(mesh.ndim - 1), replicate, mp_policy, offload_policy,
-                           name) if params else None
+                           name, _mesh_device(mesh)) if params else None
     if group is not None:
         group.reshard_after_forward = reshard_after_forward
     state = FSDPState(modules, group, mp_policy)
@@ -244,6 +248,15 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         m.register_forward_hook(state.post_forward)
         m.__class__ = _fsdp_class(type(m))
     return module
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's collectives on ``mesh`` run on (its current accelerator)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device()) if module.is_available() else \
+        torch.device(mesh.device_type)  # a fake mesh of a machine without one (fsdp2d plan, tests)
 
 
 def _check_shardable(module: nn.Module) -> None:

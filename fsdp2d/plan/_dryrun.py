@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from contextlib import nullcontext
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from fsdp2d._dtensor import local_of
 from fsdp2d.debug import init_fake_world
 from fsdp2d.mesh import axis_size
 from fsdp2d.train.config import JobConfig
+from fsdp2d.train.optim import build_optimizer
 from fsdp2d.train.trainer import parallelize_model
 
 from ._probe import StepProbe
@@ -118,7 +119,7 @@ def _repeat(probe: StepProbe, before: tuple, after: tuple, times: int) -> None:
         entry = probe.collectives.setdefault(key, [0, 0])
         entry[0] += (count - prev[0]) * times
         entry[1] += (size - prev[1]) * times
-    probe.ops.extend(probe.ops[n0:n1] * times)
+    probe.ops.extend((f, b, n * times) for f, b, n in probe.ops[n0:n1])  # counted, not copied: accum may be 10^6
     probe.flops += (f1 - f0) * times
 
 
@@ -166,12 +167,6 @@ def _figures(probe: StepProbe, params: list[torch.Tensor], at_rest: int, gradien
         "collectives": {f"{a}/{k}": v for (a, k), v in sorted(probe.collectives.items())},
         "flops": probe.flops, "ops": probe.ops,
     }
-
-
-def build_optimizer(params: Iterable[torch.Tensor], cfg: JobConfig) -> torch.optim.Optimizer:
-    o = cfg.optim  # the trainer's AdamW; torch picks foreach on CUDA, the for-loop on CPU
-    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                             foreach=cfg.parallel.device == "cuda")
 
 
 class ShardOptimizer:
@@ -241,17 +236,20 @@ def _mode_figures(measured: dict) -> dict:
 
 def measure_modes(model: torch.nn.Module, opt: "torch.optim.Optimizer | ShardOptimizer", cfg: JobConfig,
                   batch: tuple[torch.Tensor, torch.Tensor], axis_of_group: dict[str, str],
-                  compare_modes: bool = True) -> dict:
+                  compare_modes: bool = True, progress: Callable[[str], None] | None = None) -> dict:
     """:func:`measure_step` in the config's ``training.grad_sync`` mode; with more than one
     micro-batch per step and ``compare_modes``, the same step again in the other mode
     (one more measured step on the model already built: the two figures are both
     measured, never derived). The result carries ``accumulation``: ``chosen``, and per
-    mode :func:`_mode_figures`."""
-    out = measure_step(model, opt, cfg, batch, axis_of_group)
+    mode :func:`_mode_figures`. ``progress`` gets a line before each measured step."""
+    say = progress or (lambda line: None)
     chosen = cfg.training.grad_sync
+    say(f"measuring the training step ({cfg.accum_steps} micro-batches, grad_sync {chosen})")
+    out = measure_step(model, opt, cfg, batch, axis_of_group)
     modes = {chosen: _mode_figures(out)}
     if compare_modes and cfg.accum_steps > 1:
         other = "last" if chosen == "every" else "every"
+        say(f"measuring the step again with grad_sync {other}")
         alt = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, grad_sync=other))
         modes[other] = _mode_figures(measure_step(model, opt, alt, batch, axis_of_group))
     out["accumulation"] = {"chosen": chosen, "accum_steps": cfg.accum_steps, "modes": modes}
@@ -259,11 +257,13 @@ def measure_modes(model: torch.nn.Module, opt: "torch.optim.Optimizer | ShardOpt
 
 
 def dry_run(cfg: JobConfig, world: int, rank: int, *, shard_optimizer: bool = True,
-            compare_modes: bool = True) -> dict:
+            compare_modes: bool = True, progress: Callable[[str], None] | None = None) -> dict:
     """Figures of rank ``rank``'s step in a job of ``world`` ranks (see module doc);
     ``shard_optimizer=False`` steps AdamW through DTensor instead (the checks compare);
     ``compare_modes=False`` skips measuring the other ``training.grad_sync`` mode
-    (:func:`measure_modes`)."""
+    (:func:`measure_modes`). ``progress`` gets a line as each stage starts (a dry run of
+    70B at 1024 x 8 takes half a minute or more)."""
+    say = progress or (lambda line: None)
     init_fake_world(rank, world)
     try:
         cpu = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, device="cpu"))
@@ -274,8 +274,20 @@ def dry_run(cfg: JobConfig, world: int, rank: int, *, shard_optimizer: bool = Tr
             opt = ShardOptimizer(model, cfg) if shard_optimizer else build_optimizer(model.parameters(), cfg)
             x = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch, cfg.data.seq_len))
             y = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch, cfg.data.seq_len))
+            say("model built and sharded; warm-up forward and optimizer step")
             warm_up(model, opt, x)
-            out = measure_modes(model, opt, cfg, (x, y), axis_groups(mesh), compare_modes)
+            # Python's cyclic collector would otherwise walk the model, torch's modules and
+            # every live fake tensor again and again while the step allocates ~10^6 objects
+            # (70B at 80 blocks: 10% of a dry run); a caller that froze (the search) keeps its own.
+            frozen = gc.get_freeze_count() == 0
+            if frozen:
+                gc.collect()
+                gc.freeze()
+            try:
+                out = measure_modes(model, opt, cfg, (x, y), axis_groups(mesh), compare_modes, say)
+            finally:
+                if frozen:
+                    gc.unfreeze()
         out["coordinate"] = dict(zip(cfg.mesh_dim_names, mesh.get_coordinate()))
         out["axis_ranks"] = {n: mesh[n].mesh.flatten().tolist() for n in cfg.mesh_dim_names}
         out["axis_ranks"]["world"] = list(range(world))

@@ -18,9 +18,10 @@ tensors, which is how the estimator is checked against a real CPU run). It recor
   :mod:`fsdp2d.debug`: all-gather: the gathered output; reduce-scatter: the unreduced
   input; all-reduce: the tensor).
 * **roofline work**: per op, its FLOPs (``torch.utils.flop_counter``'s formulas:
-  matmuls and attention) and the bytes it reads and writes (its distinct tensor inputs
-  and outputs once each; view ops, allocations and collectives move none). The
-  estimator turns these into a time per op on a GPU.
+  matmuls and attention), the bytes it reads and writes (its distinct tensor inputs
+  and outputs once each; view ops, allocations and collectives move none) and how many
+  times the step runs it (1; more for the micro-batches a dry run counts without running
+  them). The estimator turns these into a time per op on a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -102,7 +104,7 @@ class StepProbe(TorchDispatchMode):
         self.axis_of_group = axis_of_group
         self.collectives: dict[tuple[str, str], list[int]] = {}  # (axis, kind) -> [count, bytes]
         self.flops = 0
-        self.ops: list[tuple[int, int]] = []  # (flops, bytes) per op with either
+        self.ops: list[tuple[int, int, int]] = []  # (flops, bytes, times) per op with either
         self.t = 0  # op index
         self.current = self.peak = self.peak_at = 0
         self.phase = ""
@@ -203,7 +205,10 @@ class StepProbe(TorchDispatchMode):
             return NotImplemented  # DTensor desugars into local ops, which come back here
         self.t += 1
         if func is _DEVICE:  # what the general path below does for it, without flattening
-            self._see(args[0])
+            t = args[0]
+            self._see(t)
+            if isinstance(t, FakeTensor) and not t.fake_mode.in_kernel_invocation:
+                return t.fake_device  # FakeTensorMode's own answer, without its dispatch (~30 us each)
             return func(*args)
         kwargs = kwargs or {}
         if func.namespace != "aten":  # c10d collectives, whose arguments nest deeper
@@ -237,5 +242,5 @@ class StepProbe(TorchDispatchMode):
                     moved += t.numel() * t.element_size()
         if flops or moved:
             self.flops += flops
-            self.ops.append((int(flops), moved))
+            self.ops.append((int(flops), moved, 1))
         return out

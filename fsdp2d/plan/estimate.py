@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["GPU", "GPUS", "comm_table", "estimate", "roofline_seconds", "wire_factor"]
+__all__ = ["GPU", "GPUS", "comm_table", "estimate", "op_count", "roofline_seconds", "wire_factor"]
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,15 @@ GPUS: dict[str, GPU] = {
 FSDP_AXES = ("dp", "shard", "replicate")
 
 
-def roofline_seconds(ops: list[tuple[int, int]], gpu: GPU) -> float:
-    """Compute time: the sum over ops of ``max(flops / peak, bytes / HBM bandwidth)``."""
-    return math.fsum(max(f / gpu.bf16_flops, b / gpu.hbm_bytes_per_s) for f, b in ops)
+def roofline_seconds(ops: list[tuple[int, int, int]], gpu: GPU) -> float:
+    """Compute time: the sum over ops ``(flops, bytes, times)`` of ``times x max(flops /
+    peak, bytes / HBM bandwidth)``."""
+    return math.fsum(n * max(f / gpu.bf16_flops, b / gpu.hbm_bytes_per_s) for f, b, n in ops)
+
+
+def op_count(ops: list[tuple[int, int, int]]) -> int:
+    """The ops a step runs (``roofline_seconds``'s list, each op as many times as it runs)."""
+    return sum(n for _, _, n in ops)
 
 
 def wire_factor(kind: str, k: int) -> float:

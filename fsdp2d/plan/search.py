@@ -58,8 +58,11 @@ depth, as ``fsdp2d plan --rank 0`` would: its row shows those figures, and the s
 checks that the extrapolated ones equal them (memory to the byte, collectives in count
 and bytes, FLOPs; compute time to 1e-9 relative, a sum of the same terms in another
 order). A difference is printed (``extrapolation: DIFFERS``) and in the JSON, never hidden.
-``--write-overlay FILE`` writes the top choice as a TOML overlay:
-``fsdp2d train --config C --config-overlay FILE`` (and ``fsdp2d plan``) take it.
+``--write-overlay FILE`` writes the top choice as a TOML overlay (a new file, checked
+before the search: see ``fsdp2d.plan.cli.check_overlay_path``):
+``fsdp2d train --config C --config-overlay FILE`` (and ``fsdp2d plan``) take it. The base
+config is validated at the search's world (:func:`search_config`), and the world must be
+whole nodes (``fsdp2d.plan.cli.check_nodes``), as for ``fsdp2d plan`` of the overlay.
 
 (Longer than the package's ~400-line aim: the enumeration, the bound, the sharing of
 dry runs and the ranking are one argument whose steps this docstring proves; a quarter
@@ -78,11 +81,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from fsdp2d.train._rules import MAX_WORLD, check_ranges, divisors, error_text
 from fsdp2d.train.config import ConfigError, JobConfig, validate
 
-from .estimate import GPUS, GPU, comm_table, estimate, roofline_seconds
+from .estimate import GPUS, GPU, comm_table, estimate, op_count, roofline_seconds
 
-__all__ = ["Choice", "candidates", "memory_bound", "search", "format_search", "overlay_toml"]
+__all__ = ["Choice", "candidates", "memory_bound", "search", "format_search", "overlay_toml", "check_searchable",
+           "search_config", "search_batch"]
 
 GiB = 2**30
 MODES = ("none", "selective", "full")
@@ -115,14 +120,12 @@ class Choice:
         """The config fields this choice sets, as ``{section: {key: value}}``."""
         sp = self.tp > 1 or base.parallel.sequence_parallel
         lp = self.tp > 1 or base.parallel.loss_parallel
-        return {"parallel": {"hsdp_replicate": self.replicate, "dp": self.dp, "tp": self.tp,
-                             "sequence_parallel": sp, "loss_parallel": lp},
+        mesh = {"hsdp_replicate": self.replicate, "dp": self.dp, "tp": self.tp}
+        if base.parallel.nproc is not None:  # a config that names its process count keeps it equal to the mesh
+            mesh["nproc"] = self.replicate * self.dp * self.tp
+        return {"parallel": {**mesh, "sequence_parallel": sp, "loss_parallel": lp},
                 "training": {"global_batch": global_batch, "micro_batch": self.micro_batch,
                              "activation_checkpointing": self.checkpointing, "grad_sync": self.grad_sync}}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def configure(base: JobConfig, choice: Choice, global_batch: int, n_layers: int | None = None) -> JobConfig:
@@ -135,6 +138,37 @@ def configure(base: JobConfig, choice: Choice, global_batch: int, n_layers: int 
         cfg.model.n_layers = n_layers
     validate(cfg, world_size=cfg.world_size)
     return cfg
+
+
+def check_searchable(cfg: JobConfig) -> None:
+    """ConfigError for a model :func:`memory_bound` does not cover."""
+    if cfg.model.name != "llama":  # memory_bound's activation terms are SwiGLU's (3 ffn tensors)
+        raise ConfigError(f"fsdp2d plan --search bounds memory for Llama models only (model.name="
+                          f"{cfg.model.name!r}): plan each configuration with fsdp2d plan instead")
+
+
+def search_config(cfg: JobConfig, world: int | None, overrides: list[str]) -> tuple[JobConfig, int, int]:
+    """(the search's base config, the world size, the global batch) for ``cfg`` on
+    ``world`` GPUs (None: the config's), validated there: the mesh, the micro-batch and the
+    process count are the search's to choose, so the config's own (for another world,
+    another batch) are set aside and every other field is checked on one rank with the
+    search's batch; each candidate is then validated on its mesh (:func:`configure`).
+    Raises ConfigError (every problem at once, as :func:`validate`)."""
+    errors: list[str] = []
+    check_ranges(cfg, errors)  # the config's own mesh and batch, which the batch scales from
+    if errors:
+        raise ConfigError(error_text(errors))
+    world = cfg.world_size if world is None else world
+    if not 1 <= world <= MAX_WORLD:
+        raise ConfigError(f"world size {world} must be in [1, {MAX_WORLD}]")
+    base = copy.deepcopy(cfg)
+    base.training.micro_batch = None  # a given one may not divide another per-rank batch
+    base.training.global_batch = search_batch(cfg, world, overrides)
+    base.parallel.nproc = None
+    one = copy.deepcopy(base)
+    one.parallel.dp = one.parallel.tp = one.parallel.hsdp_replicate = 1
+    validate(one)
+    return base, world, base.training.global_batch
 
 
 def search_batch(cfg: JobConfig, world: int, overrides: list[str]) -> int:
@@ -154,7 +188,7 @@ def candidates(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int
     m = cfg.model
     kv = m.n_kv_heads or m.n_heads
     out, rejected = [], []
-    for tp in _divisors(min(gpus_per_node, world)):
+    for tp in divisors(min(gpus_per_node, world)):
         why = [f"does not divide model.{name}={n}" for name, n in (("n_heads", m.n_heads), ("n_kv_heads", kv))
                if n % tp]
         if world % tp:
@@ -164,7 +198,7 @@ def candidates(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int
         if why:
             rejected.append((f"tp={tp}", "; ".join(why)))
             continue
-        for replicate in _divisors(world // tp):
+        for replicate in divisors(world // tp):
             dp = world // tp // replicate
             ranks = replicate * dp
             if replicate > 1 and (dp * tp) % gpus_per_node:
@@ -175,7 +209,7 @@ def candidates(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int
                 continue
             per_rank = global_batch // ranks
             for ac in MODES:
-                for mb in _divisors(per_rank):
+                for mb in divisors(per_rank):
                     accum = per_rank // mb
                     for sync in ("last", "every") if accum > 1 else (cfg.training.grad_sync,):
                         out.append(Choice(replicate, dp, tp, ac, mb, accum, sync))
@@ -223,7 +257,7 @@ def _dry(task: tuple) -> tuple:
         return key, None, f"dry run failed: {type(exc).__name__}: {exc}", time.perf_counter() - t0
     ops = measured.pop("ops")
     measured["compute_s"] = roofline_seconds(ops, gpu)
-    measured["roofline_ops"] = len(ops)
+    measured["roofline_ops"] = op_count(ops)
     return key, measured, None, time.perf_counter() - t0
 
 
@@ -298,9 +332,7 @@ def search(cfg: JobConfig, world: int, gpu_name: str, gpus_per_node: int, global
            progress=None) -> dict:
     """The ranked configurations of ``cfg``'s model on ``world`` GPUs (module doc); the
     JSON report. ``progress`` gets one line per stage."""
-    if cfg.model.name != "llama":  # memory_bound's activation terms are SwiGLU's (3 ffn tensors)
-        raise ConfigError(f"fsdp2d plan --search bounds memory for Llama models only (model.name="
-                          f"{cfg.model.name!r}): plan each configuration with fsdp2d plan instead")
+    check_searchable(cfg)
     import torch
 
     from fsdp2d.models import Llama
@@ -334,7 +366,7 @@ def search(cfg: JobConfig, world: int, gpu_name: str, gpus_per_node: int, global
     # only if none of those fits (``dominates`` is transitive, so checking the ones that
     # fit suffices); the rest are reported with the one that is never slower.
     # (a candidate's level is above every one of its dominators')
-    level = {c: sum(d > c.micro_batch for d in _divisors(c.micro_batch * c.accum)) + MODES.index(c.checkpointing)
+    level = {c: sum(d > c.micro_batch for d in divisors(c.micro_batch * c.accum)) + MODES.index(c.checkpointing)
              for c in survivors}
     gc.collect()
     gc.freeze()  # the dry runs' gc.collect calls skip the objects alive now (torch's modules)

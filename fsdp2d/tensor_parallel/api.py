@@ -40,6 +40,15 @@ def _match(root: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _first_unmatched(root: nn.Module, pattern: str) -> str:
+    """The first dotted level of ``pattern`` (with the levels before it) that matches nothing."""
+    parts = pattern.split(".")
+    for i in range(1, len(parts) + 1):
+        if not _match(root, ".".join(parts[:i])):
+            return ".".join(parts[:i])
+    return pattern
+
+
 def _resolve(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple[str, nn.Module, ParallelStyle]]:
     all_names = [n for n, _ in module.named_modules() if n]
     chosen: dict[str, tuple[str, nn.Module, ParallelStyle]] = {}
@@ -51,10 +60,13 @@ def _resolve(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple
         if not isinstance(style, ParallelStyle):
             raise TypeError(f"plan entry {pattern!r}: expected a ParallelStyle, got {type(style).__name__}")
         matches = _match(module, pattern)
-        if not matches:
+        if not matches:  # as torch: a generic plan (an HF tp_plan over model variants) may name absent modules
             close = difflib.get_close_matches(pattern, all_names, n=3, cutoff=0.4)
-            hint = f"; closest module names: {', '.join(close)}" if close else ""
-            raise ValueError(f"parallelize_module: plan pattern {pattern!r} matches no module{hint}")
+            hint = f" (closest module names: {', '.join(close)})" if close else ""
+            warnings.warn(f"parallelize_module: plan key {pattern!r} could not be resolved: no submodule matches "
+                          f"{_first_unmatched(module, pattern)!r} in {type(module).__name__}{hint}, skipping this "
+                          f"plan entry", UserWarning, stacklevel=4)
+            continue
         for fqn, mod in matches:
             if fqn in chosen:
                 raise ValueError(
@@ -90,8 +102,12 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         parallelize_module(model, tp, {"layers.*.mlp.fc1": ColwiseParallel(),
                                        "layers.*.mlp.fc2": RowwiseParallel()})
 
-    Raises: ValueError for no mesh (none given, no ``with mesh:``) or a mesh that is not 1-D, a pattern that matches nothing (with
-    the closest names) or two patterns matching one module; TypeError for a style that
+    A plan key that matches no module is skipped with a ``UserWarning`` naming it and the
+    closest module names, as torch does (generic plans, such as Hugging Face ``tp_plan``
+    patterns over model variants, rely on it).
+
+    Raises: ValueError for no mesh (none given, no ``with mesh:``) or a mesh that is not 1-D,
+    or two patterns matching one module; TypeError for a style that
     cannot apply to the module it matched (naming the module); RuntimeError when the
     module was already passed to ``fully_shard`` (wrong order).
     """

@@ -10,6 +10,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ._compare import call_model, capture, gathered, rel_error
+from ._misuse import build_differs, forward_differs, not_scalar
 from ._pool import get_mesh, module_root, worker_pool
 
 # Tolerances (fp32 on CPU). Parallelism changes only the order of floating-point sums
@@ -84,7 +86,16 @@ def check_parallel(build: Callable[[], torch.nn.Module], parallelize: Callable, 
     :func:`default_optimizer`; the reference keeps its own optimizer state), every
     parameter. ``rtol`` (default 1e-5) bounds max|difference| / max|reference| of
     outputs, losses and gradients; ``atol`` (default 1e-5) the absolute difference of
-    parameters after a step (see the comments at ``RTOL`` and ``ATOL`` for why).
+    parameters after a step (see the comments at ``RTOL`` and ``ATOL`` for why). A
+    parameter of the reference that the parallel model lacks (``parallelize`` made it a
+    buffer, or dropped it) fails the check: it would never be trained.
+
+    Before any of that, the test itself is checked, and a misuse raises instead of
+    blaming the plan: ``ValueError`` if two ``build()`` calls after
+    ``torch.manual_seed(seed)`` differ (a build that seeds itself), or if two forwards of
+    the reference on ``batches[0]`` differ (dropout in training mode: set ``p=0`` or call
+    ``eval()`` in ``build``), naming the parameter or the first module that differs;
+    ``TypeError`` if ``loss_fn`` returns anything but a one-element tensor.
     """
     for name, fn in (("build", build), ("parallelize", parallelize), ("loss_fn", loss_fn)):
         if not callable(fn):
@@ -113,6 +124,10 @@ def check_parallel(build: Callable[[], torch.nn.Module], parallelize: Callable, 
     for dp, tp in shapes:
         results = worker_pool(dp * tp).run(_run_on_rank, roots, payload, (dp, tp), timeout=timeout)
         found = [r for rank_records in results for r in rank_records]
+        misuse = [r for r in found if len(r) == 3]  # the test is wrong, not the plan: (key, text, type)
+        if misuse:
+            _, text, kind = min(misuse)
+            raise _MISUSE[kind](f"check_parallel: {text}")
         if found:
             key, text = min(found)
             raise AssertionError(f"check_parallel on mesh (dp={dp}, tp={tp}): {text}")
@@ -146,17 +161,13 @@ def _slice(batch: Any, dp: int, index: int) -> Any:
     return {k: v.chunk(dp)[index] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _call(model: torch.nn.Module, batch: Any, forward: Callable | None) -> Any:
-    if forward is not None:
-        return forward(model, batch)
-    if isinstance(batch, dict):
-        return model(**{k: v for k, v in batch.items() if k != "labels"})
-    return model(batch)
+_MISUSE = {"TypeError": TypeError, "ValueError": ValueError}
 
 
 # -- on every rank -------------------------------------------------------------------------
 def _run_on_rank(roots: list[str], payload: bytes, shape: tuple[int, int]) -> list:
-    """One rank's run; returns its mismatches as ((step, phase, order), text)."""
+    """One rank's run; returns its mismatches as ((step, phase, order), text), or one
+    misuse of check_parallel as (key, text, exception type name)."""
     import sys
 
     for root in roots:
@@ -171,11 +182,17 @@ def _run_on_rank(roots: list[str], payload: bytes, shape: tuple[int, int]) -> li
     ref = job.build()
     torch.manual_seed(job.seed)
     model = job.build()
+    # The comparison means something only if the reference is a function of the seed and
+    # the batch: check build() against itself and the reference's forward against itself
+    # first, so neither is blamed on parallelize (every rank finds the same: they agree).
+    misuse = build_differs(ref, model, job.seed) or forward_differs(ref, job, job.batches[0])
+    if _any_rank(misuse is not None):
+        return [misuse] if misuse is not None else []
     job.parallelize(model, mesh)
     opt, ref_opt = job.optimizer(list(model.parameters())), job.optimizer(list(ref.parameters()))
     seen: dict[str, list] = {}
     ref_seen: dict[str, list] = {}
-    hooks = _capture(model, seen, gather=True) + _capture(ref, ref_seen, gather=False)
+    hooks = capture(model, seen, gather=True) + capture(ref, ref_seen, gather=False)
     out: list = []
     try:
         for step in range(job.steps):
@@ -184,10 +201,14 @@ def _run_on_rank(roots: list[str], payload: bytes, shape: tuple[int, int]) -> li
             batch = job.batches[step % len(job.batches)]
             mine = _slice(batch, shape[0], dp_index)
             seen.clear(), ref_seen.clear()
-            output, ref_loss = _call(model, mine, job.forward), job.loss_fn(_call(ref, batch, job.forward), batch)
+            output, ref_loss = call_model(model, mine, job.forward), job.loss_fn(call_model(ref, batch, job.forward), batch)
             off = _compare_outputs(seen, ref_seen, step, shape, mesh, job.rtol, where)
             loss, failed = _loss_or_error(job.loss_fn, output, mine)
-            if _any_rank(bool(off) or failed is not None):  # every rank stops together
+            misuse = not_scalar(ref_loss, "the reference's output") or (
+                None if failed is not None else not_scalar(loss, "the parallel model's output"))
+            if _any_rank(bool(off) or failed is not None or misuse is not None):  # every rank stops together
+                if misuse is not None:
+                    return [misuse]
                 if off or failed is None:
                     return out + off
                 raise failed  # the loss broke, with no module output to blame
@@ -226,33 +247,6 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    t = t.detach()
-    return (t.full_tensor() if isinstance(t, DTensor) else t).float()
-
-
-def _capture(model: torch.nn.Module, into: dict, gather: bool) -> list:
-    """Forward hooks recording each module's first output of a step, in finishing order."""
-    from torch.utils._pytree import tree_flatten
-
-    def hook(name):
-        def record(module, args, output):
-            if name in into:  # a recompute (activation checkpointing) runs forward again
-                return
-            leaves = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
-            into[name] = [_full(x) if gather else x.detach().float() for x in leaves]
-        return record
-
-    return [m.register_forward_hook(hook(name)) for name, m in model.named_modules()]
-
-
-def _error(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> float:
-    scale = max(want.abs().max().item() if want.numel() else 0.0, floor, 1e-30)
-    return (got - want).abs().max().item() / scale if want.numel() else 0.0
-
-
 def _aligned(local: torch.Tensor, ref: torch.Tensor, dp: int, dp_index: int, tp: int, tp_index: int):
     """The part of the reference output this rank's ``local`` output should equal, and
     how it was found; None if no part fits (the output is not comparable)."""
@@ -282,7 +276,7 @@ def _compare_outputs(seen: dict, ref_seen: dict, step: int, shape, mesh, rtol: f
             if found is None:
                 continue
             want, what = found
-            err = _error(got, want)
+            err = rel_error(got, want)
             if err > rtol:
                 label = f"module {name!r}" if name else "the model (root module)"
                 part = f" (output {i})" if len(leaves) > 1 else ""
@@ -300,7 +294,7 @@ def _compare_grads(model, ref, step: int, rtol: float, where: str) -> list:
     out = []
     for order, (fqn, p) in enumerate(model.named_parameters()):
         r = ref_params.get(fqn)
-        got = None if p.grad is None else _full(p.grad)
+        got = None if p.grad is None else gathered(p.grad)
         want = None if r is None or r.grad is None else r.grad.float()
         if (got is None) != (want is None):
             out.append(((step, 3, order), f"step {step}: parameter {fqn!r} has "
@@ -309,7 +303,7 @@ def _compare_grads(model, ref, step: int, rtol: float, where: str) -> list:
             continue
         if got is None:
             continue
-        err = _error(got, want, GRAD_FLOOR * largest)
+        err = rel_error(got, want, GRAD_FLOOR * largest)
         if err > rtol:
             out.append(((step, 3, order), f"step {step}: the gradient of parameter {fqn!r} differs from the "
                         f"reference's: max|diff| / max(max|ref|, {GRAD_FLOOR:g} x the largest gradient) = "
@@ -319,14 +313,21 @@ def _compare_grads(model, ref, step: int, rtol: float, where: str) -> list:
 
 def _compare_params(model, ref, step: int, phase: int, when: str, atol: float, where: str, copy: bool) -> list:
     ref_params = dict(ref.named_parameters())
-    out = []
-    for order, (fqn, p) in enumerate(model.named_parameters()):
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    # A reference parameter the parallel model lacks is never trained there: a failure
+    # (sorted after the parameters that are compared), not a name left out of the comparison.
+    out = [((step, phase, len(params) + i), f"step {step}: reference parameter {fqn!r} is not a parameter of the "
+            f"parallel model ({when}: {'a buffer' if fqn in buffers else 'missing'} there), so it is never trained; "
+            f"parallelize must keep every parameter an nn.Parameter ({where})")
+           for i, fqn in enumerate(n for n in ref_params if n not in params)]
+    for order, (fqn, p) in enumerate(params.items()):
         r = ref_params.get(fqn)
         if r is None:
             out.append(((step, phase, order), f"step {step}: parameter {fqn!r} is not in the reference model "
                         f"({when}); parallelize must keep parameter names ({where})"))
             continue
-        full = _full(p)
+        full = gathered(p)
         if full.shape != r.shape:
             out.append(((step, phase, order), f"step {step}: parameter {fqn!r} gathers to shape "
                         f"{tuple(full.shape)}, the reference's is {tuple(r.shape)} ({when}; {where})"))

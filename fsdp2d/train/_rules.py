@@ -7,11 +7,44 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["check_ranges", "check_mesh", "check_model", "check_batch"]
+__all__ = ["check_ranges", "check_mesh", "check_model", "check_batch", "divisors", "error_text", "MAX_WORLD",
+           "MAX_BATCH"]
+
+# Upper bounds far above any job run today (the largest clusters hold ~10^5 GPUs; Llama 3
+# 405B's batch was 2048 x 8192 tokens) and far below sizes whose mesh, candidate lists or
+# error messages would take minutes to build (fsdp2d plan, plan --search, train).
+MAX_WORLD = 2**20
+"""GPUs in one job: ``hsdp_replicate * dp * tp`` (and ``fsdp2d plan --world-size``)."""
+MAX_BATCH = 2**24
+"""Sequences per optimizer step (``training.global_batch``, ``training.micro_batch``)."""
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+def error_text(errors: list[str]) -> str:
+    """The message of a ``ConfigError`` listing ``errors``: one line for one problem."""
+    if len(errors) == 1:
+        return f"invalid config: {errors[0]}"
+    return "invalid config:\n  - " + "\n  - ".join(errors)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n >= 1``, ascending, in O(sqrt n) steps (``n`` may be large:
+    a per-rank batch, a world size)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def _divisors(n: int, most: int = 16) -> str:
+    """``n``'s divisors as text; beyond ``most`` of them, the smallest and largest few."""
+    ds = divisors(n)
+    shown = ds if len(ds) <= most else ds[:most - 4] + ["..."] + ds[-4:]
+    return ", ".join(str(d) for d in shown)
 
 
 def check_ranges(cfg: "JobConfig", errors: list[str]) -> None:
@@ -25,9 +58,9 @@ def check_ranges(cfg: "JobConfig", errors: list[str]) -> None:
         ("model.n_heads", m.n_heads, 1 <= m.n_heads <= 2**14, f"in [1, {2**14}]"),
         ("model.vocab_size", m.vocab_size, 1 <= m.vocab_size <= 2**24, f"in [1, {2**24}]"),
         ("model.max_seq_len", m.max_seq_len, 1 <= m.max_seq_len <= 2**24, f"in [1, {2**24}]"),
-        ("parallel.dp", p.dp, p.dp >= 1, ">= 1"),
-        ("parallel.tp", p.tp, p.tp >= 1, ">= 1"),
-        ("parallel.hsdp_replicate", p.hsdp_replicate, p.hsdp_replicate >= 1, ">= 1"),
+        ("parallel.dp", p.dp, 1 <= p.dp <= MAX_WORLD, f"in [1, {MAX_WORLD}]"),
+        ("parallel.tp", p.tp, 1 <= p.tp <= MAX_WORLD, f"in [1, {MAX_WORLD}]"),
+        ("parallel.hsdp_replicate", p.hsdp_replicate, 1 <= p.hsdp_replicate <= MAX_WORLD, f"in [1, {MAX_WORLD}]"),
         ("data.seq_len", d.seq_len, d.seq_len >= 1, ">= 1"),
         ("data.eval_fraction", d.eval_fraction, 0.0 <= d.eval_fraction < 1.0, "in [0, 1)"),
         ("optim.lr", o.lr, o.lr > 0, "> 0"),
@@ -37,9 +70,9 @@ def check_ranges(cfg: "JobConfig", errors: list[str]) -> None:
         ("optim.min_lr_ratio", o.min_lr_ratio, 0.0 <= o.min_lr_ratio <= 1.0, "in [0, 1]"),
         ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
         ("training.steps", t.steps, t.steps >= 1, ">= 1"),
-        ("training.global_batch", t.global_batch, t.global_batch >= 1, ">= 1"),
-        ("training.micro_batch", t.micro_batch, t.micro_batch is None or t.micro_batch >= 1,
-         ">= 1 (or none)"),
+        ("training.global_batch", t.global_batch, 1 <= t.global_batch <= MAX_BATCH, f"in [1, {MAX_BATCH}]"),
+        ("training.micro_batch", t.micro_batch, t.micro_batch is None or 1 <= t.micro_batch <= MAX_BATCH,
+         f"in [1, {MAX_BATCH}] (or none)"),
         ("training.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0 = never)"),
         ("training.eval_steps", t.eval_steps, t.eval_steps >= 1, ">= 1"),
         ("training.log_every", t.log_every, t.log_every >= 1, ">= 1"),
@@ -61,6 +94,9 @@ def check_ranges(cfg: "JobConfig", errors: list[str]) -> None:
         rules.append(("metrics.peak_flops", cfg.metrics.peak_flops, cfg.metrics.peak_flops > 0,
                       "> 0 (or none)"))
     errors.extend(f"{name}={value} must be {need}" for name, value, ok, need in rules if not ok)
+    if all(1 <= n <= MAX_WORLD for n in (p.dp, p.tp, p.hsdp_replicate)) and cfg.world_size > MAX_WORLD:
+        errors.append(f"the mesh hsdp_replicate * dp * tp = {p.hsdp_replicate} * {p.dp} * {p.tp} = "
+                      f"{cfg.world_size} GPUs must be at most {MAX_WORLD}: lower parallel.dp")
 
 
 def check_mesh(cfg: "JobConfig", world_size: int | None, errors: list[str]) -> None:
@@ -118,8 +154,8 @@ def check_model(cfg: "JobConfig", errors: list[str]) -> None:
 
 def check_batch(cfg: "JobConfig", errors: list[str]) -> None:
     t, ranks = cfg.training, cfg.dp_degree
-    if t.global_batch < 1 or ranks < 1:
-        return
+    if not 1 <= t.global_batch <= MAX_BATCH or not 1 <= ranks <= MAX_WORLD:
+        return  # reported by check_ranges
     if t.global_batch % ranks:
         lo = max(ranks, t.global_batch // ranks * ranks)
         errors.append(f"training.global_batch={t.global_batch} does not split over {ranks} "

@@ -24,8 +24,7 @@ import time
 import warnings
 from pathlib import Path
 
-import torch.distributed as dist
-
+from ..mesh import shutdown
 from . import lock, preflight
 from ._shadow import exit_if_shadowed
 from .config import ConfigError, JobConfig, help_text, load_config, validate
@@ -120,12 +119,13 @@ def _worker(cfg: JobConfig) -> int:
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     from .trainer import Trainer  # imported only in the workers
 
-    trainer = None
+    trainer, clean = None, False
     try:
         trainer = Trainer(cfg)
         trainer.maybe_resume()
         trainer.start()
         trainer.run()
+        clean = True
     except KeyboardInterrupt:  # Ctrl-C: every rank gets SIGINT (torchrun forwards it)
         if os.environ.get("RANK", "0") == "0":
             print(_interrupted(trainer), file=sys.stderr, flush=True)
@@ -138,10 +138,11 @@ def _worker(cfg: JobConfig) -> int:
         # destructed here, on this thread, rather than in the interpreter's exit-time
         # teardown (the benchmark, which did not do this, aborted twice in ~25 runs at
         # exit, after its results, with "terminate called without an active exception").
+        # After Ctrl-C or an exception, collectives may be unfinished: abort, not destroy
+        # (destroying NCCL communicators waits for them).
         trainer = None
         gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(abort=not clean)
     return 0
 
 

@@ -48,7 +48,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, packaged as `tomli`
     import tomli as tomllib
 
-from ._rules import check_batch, check_mesh, check_model, check_ranges
+from ._rules import check_batch, check_mesh, check_model, check_ranges, error_text
 
 __all__ = [
     "ConfigError", "ModelConfig", "ParallelConfig", "SourceConfig", "DataConfig", "OptimConfig",
@@ -635,7 +635,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         check_model(cfg, errors)
         check_batch(cfg, errors)
     if errors:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+        raise ConfigError(error_text(errors))
 
 
 # ----------------------------------------------------------------------------- output

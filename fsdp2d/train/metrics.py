@@ -6,9 +6,10 @@ Only rank 0 writes. Each logged step is one JSON object with at least ``step``, 
 rank: the job's rate over the world size, as ``fsdp2d plan`` reports it),
 ``tokens_seen`` (samples consumed by all ranks x ``seq_len``: ``step * global_batch *
 seq_len`` until a resume changes ``global_batch``) and ``peak_mem_mib``, and ``mfu``
-where the device's peak is known; evaluation adds ``eval_loss``. Loss and gradient norm
-are the logged step's; throughput, ``step_time_s`` and MFU are the mean over the steps
-since the previous logged (or checkpointed) step, the only steps at which the trainer
+where the device's peak is known; evaluation adds ``eval_loss``; on CUDA
+``max_mem_reserved_mib`` and ``num_alloc_retries`` come too (:func:`allocator_metrics`).
+Loss and gradient norm are the logged step's; throughput, ``step_time_s`` and MFU are the
+mean over the steps since the previous logged (or checkpointed) step, the only steps at which the trainer
 reads device values (see :mod:`fsdp2d.train.trainer`). MFU = achieved model FLOP/s per
 device (6 N + 12 L H d_head T per token, the model's ``flops_per_token``, times
 ``tokens_per_s_per_gpu``) over the device's dense bf16 peak: ``metrics.peak_flops`` when
@@ -78,6 +79,18 @@ def peak_memory_mib(device: str) -> float:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def allocator_metrics(device: str) -> dict[str, float]:
+    """On CUDA, what the caching allocator says about memory beyond the peak allocated:
+    ``max_mem_reserved_mib`` (held from the driver: what the job really needs) and
+    ``num_alloc_retries`` (allocations that had to free cached blocks and retry, a sign
+    of fragmentation near the limit; each one synchronizes the device). Nothing on CPU."""
+    if device != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"max_mem_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
+            "num_alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def _si(n: float) -> str:

@@ -48,7 +48,8 @@ from fsdp2d.data import DataStateError
 from . import lock, preflight
 from .config import ConfigError, JobConfig, save_config, validate
 from .data import build_data
-from .metrics import Metrics, Progress, device_peak, peak_memory_mib, throughput
+from .metrics import Metrics, Progress, allocator_metrics, device_peak, peak_memory_mib, throughput
+from .optim import adamw_kind, build_optimizer
 from .writers import build_writers
 
 
@@ -88,10 +89,29 @@ def parallelize_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh) -> torch.nn.Modul
     bf16 = cfg.training.mixed_precision == "bf16"
     mp = fsdp2d.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else fsdp2d.MixedPrecisionPolicy()
-    for block in blocks:
-        fsdp2d.fully_shard(block, mesh=mesh[dp_axes], mp_policy=mp)
-    fsdp2d.fully_shard(model, mesh=mesh[dp_axes], mp_policy=mp)
+    shard_groups(model, blocks, mesh[dp_axes], mp)
     return model
+
+
+def shard_groups(model: torch.nn.Module, blocks: list[torch.nn.Module], dp_mesh: fsdp2d.DeviceMesh,
+                 mp: fsdp2d.MixedPrecisionPolicy) -> None:
+    """``fully_shard`` as torchtitan wraps: the embeddings in a group of their own, each
+    block, the final norm and the output projection as one group, then the root (which
+    holds whatever is left: nothing in fsdp2d's models). So the root's all-gather is not
+    exposed at the start of forward, nor its reduce-scatter at the end of backward, and
+    the output weight's gradient (the largest) is reduced as soon as backward leaves the
+    head. The last block and the head are not resharded after forward: backward needs
+    them first. With tied embeddings (one tensor in both) the root keeps both ends."""
+    first, last = (model.tok_embeddings, [model.norm, model.output]) if isinstance(model, Llama) \
+        else ([model.wte, model.wpe], [model.ln_f, model.lm_head])
+    tied = model.args.tie_embeddings
+    if not tied:
+        fsdp2d.fully_shard(first, mesh=dp_mesh, mp_policy=mp)
+    for i, block in enumerate(blocks):
+        fsdp2d.fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    if not tied:
+        fsdp2d.fully_shard(last, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fsdp2d.fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
 _aten = torch.ops.aten
@@ -125,6 +145,18 @@ def _checkpoint_activations(block: torch.nn.Module, mode: str = "full") -> None:
         return recompute(inner, *args, use_reentrant=False, **extra, **kwargs)
 
     block.forward = forward
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without making the host wait: a copy from pageable memory to
+    a GPU waits for everything queued before it, so the batch goes through pinned memory
+    (a host-side copy) and then to the device with ``non_blocking`` (the caching host
+    allocator keeps the pinned buffer until the copy is done). On the CPU, ``t`` itself."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _rng_state() -> str:
@@ -163,9 +195,7 @@ class Trainer:
         self.model = build_model(cfg, self.mesh, self.say)
         self.say(f"weights on {cfg.parallel.device}" + (f", loaded from {cfg.model.init_from}"
                                                         if cfg.model.init_from else ", initialised"))
-        o = cfg.optim
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                     weight_decay=o.weight_decay)
+        self.opt = build_optimizer(self.model.parameters(), cfg)
         self.ckpts = ckpt.CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.checkpoint.keep_last)
         self.step = 0
         self.document_ids_of = functools.partial(document_ids, eos_id=self.data.eos_id, bos_id=self.data.bos_id) \
@@ -226,8 +256,8 @@ class Trainer:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(cfg.mesh_dim_names, cfg.mesh_shape))
         stop = min(t.steps, t.stop_at) if t.stop_at else t.steps
         return (f"fsdp2d train: {cfg.model.name} {self.num_params:,} parameters, mesh {mesh} "
-                f"({dist.get_world_size()} ranks), steps {self.step + 1}-{stop} of {t.steps}, "
-                f"run folder {cfg.run_dir}")
+                f"({dist.get_world_size()} ranks), AdamW ({adamw_kind(cfg.parallel.device)}), "
+                f"steps {self.step + 1}-{stop} of {t.steps}, run folder {cfg.run_dir}")
 
     def _end_line(self, hf: str | None) -> str:
         latest, kept = self.ckpts.latest(), len(self.ckpts.steps())
@@ -297,8 +327,8 @@ class Trainer:
             else nullcontext()
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        device = self.cfg.parallel.device
-        x, y = x.to(device), y.to(device)
+        device = torch.device(self.cfg.parallel.device)
+        x, y = to_device(x, device), to_device(y, device)
         with self._loss_context():
             docs = {} if self.document_ids_of is None else {"document_ids": self.document_ids_of(x)}
             logits = self.model(x, **docs)
@@ -389,6 +419,7 @@ class Trainer:
             record = {"step": step, "loss": values[0], "lr": lr, "grad_norm": values[1],
                       **throughput(tokens_per_step, dt, dist.get_world_size(), self.flops_per_token, self.peak),
                       "peak_mem_mib": peak_memory_mib(cfg.parallel.device), "step_time_s": dt,
+                      **allocator_metrics(cfg.parallel.device),
                       **self.data.metrics()}  # samples_seen, tokens_seen, epoch, shares
             if evaluate:
                 record["eval_loss"] = self.evaluate()

@@ -58,8 +58,6 @@ def _plan_errors():
     col = ColwiseParallel()
     good = {"layers.*.attention.wq": col}  # valid on its own: must not be applied either
     cases = {
-        # a typo in one pattern ("atention")
-        "no_match": (tp, {**good, "layers.*.atention.wk": col}),
         # a style on a module it cannot apply to
         "wrong_module": (tp, {**good, "layers.1.attention_norm": ColwiseParallel()}),
         "rowwise_on_block": (tp, {**good, "layers.0.feed_forward": RowwiseParallel()}),
@@ -81,6 +79,17 @@ def _plan_errors():
         ref_out = model(x)
         err = _error(lambda model=model, m=m, plan=plan: parallelize_module(model, m, plan))
         out[name] = (err, _same(before, _snapshot(model)), model(x).equal(ref_out))
+    # a typo in one pattern ("atention"): warned and skipped, as torch; the rest applies
+    import warnings
+
+    from torch.distributed.tensor import DTensor
+
+    model = _llama()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallelize_module(model, tp, {**good, "layers.*.atention.wk": col})
+    out["no_match"] = ([str(w.message) for w in caught if issubclass(w.category, UserWarning)],
+                       sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)))
     # already tensor-parallel: the second call must not shard a shard
     model = _llama()
     parallelize_module(model, tp, {"layers.*.attention.wq": col})
@@ -256,7 +265,6 @@ def order_errors(pool):
 
 
 CLEAR = {
-    "no_match": ("ValueError", "'layers.*.atention.wk'", "layers.0.attention.wk"),
     "wrong_module": ("TypeError", "ColwiseParallel", "'layers.1.attention_norm'", "RMSNorm"),
     "rowwise_on_block": ("TypeError", "RowwiseParallel", "'layers.0.feed_forward'", "FeedForward"),
     "overlap": ("ValueError", "'layers.0.attention.wq'", "'layers.*.attention.wq'", "'layers.0.attention.w?'"),
@@ -274,6 +282,14 @@ def test_plan_error_is_clear_and_model_untouched(plan_errors, case):
         _check(err, kind, *needles)
         assert untouched, f"rank {rank}: {case} changed the model before raising"
         assert same_output, f"rank {rank}: {case}: the model's output changed"
+
+
+def test_plan_key_matching_nothing_warns_and_the_rest_applies(plan_errors):
+    """As torch: one UserWarning naming the key and the closest names; the other keys apply."""
+    for messages, sharded in (r["no_match"] for r in plan_errors):
+        assert len(messages) == 1 and "'layers.*.atention.wk'" in messages[0], messages
+        assert "layers.0.attention.wk" in messages[0] and "skipping this plan entry" in messages[0], messages
+        assert sharded == ["layers.0.attention.wq.weight", "layers.1.attention.wq.weight"], sharded
 
 
 def test_style_class_instead_of_instance_names_it(plan_errors):

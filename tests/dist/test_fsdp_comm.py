@@ -139,8 +139,10 @@ def job_gather_order(n_layers: int):
 def test_next_all_gather_is_issued_before_the_copy_out(pool):
     """Forward: each group's copy-out comes after the next group's all-gather was issued
     (on CUDA the copy-out would otherwise sit in front of the next gather on the stream
-    NCCL waits for). Backward (blocks resharded after forward, the root kept): the same,
-    from the last block to the first."""
+    NCCL waits for). Backward (blocks resharded after forward, the root kept): the last
+    block's all-gather is issued by the root's pre-backward (issue 30 item 3), and each
+    block is copied out before the next all-gather is issued (one gathered buffer at a
+    time: its own gather was issued a whole block's backward earlier)."""
     forward, backward = pool.run(job_gather_order, 3)[0]
     blocks = [f"layers.{i}" for i in range(3)]
     expected_fwd = [("issue", "root"), ("issue", blocks[0]), ("copy_out", "root")]
@@ -151,7 +153,7 @@ def test_next_all_gather_is_issued_before_the_copy_out(pool):
     last, *rest = blocks[::-1]
     expected_bwd = [("issue", last)]
     for here, nxt in zip(blocks[::-1], rest):
-        expected_bwd += [("issue", nxt), ("copy_out", here)]
+        expected_bwd += [("copy_out", here), ("issue", nxt)]
     expected_bwd.append(("copy_out", blocks[0]))
     assert backward == expected_bwd
 

@@ -128,3 +128,34 @@ def test_column_wise_layers_sharing_an_input_share_one_backward_all_reduce(pool)
     layers = LlamaArgs.debug().n_layers
     for fwd, bwd in pool.run(job_count_tp_all_reduces)[0]:
         assert (fwd, bwd) == (2 * layers + 1, 2 * layers + 1), (fwd, bwd)
+
+
+def job_count_divisions():
+    """Division ops in a backward, with the default average and with
+    ``set_gradient_divide_factor(1.0)`` (a sum)."""
+    from fsdp2d.debug import OpCounter
+
+    torch.set_num_threads(1)
+    mesh, model = _model_2d()
+    x = torch.randint(0, 256, (2, 16))
+    counts = []
+    for factor in (None, 1.0):
+        if factor is not None:
+            for m in model.modules():
+                if isinstance(m, fsdp2d.FSDPModule):
+                    m.set_gradient_divide_factor(factor)
+        loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        with OpCounter() as ops:
+            loss.backward()
+        counts.append(ops.ops["aten.div_"])
+        model.zero_grad()
+    return counts
+
+
+def test_no_division_at_factor_one(pool):
+    """Issue 30 item 4: gloo's pairwise reduce-scatter divides as it finishes (one div_
+    per group; NCCL divides inside the collective, see tests/test_scale.py), and a factor
+    of 1 divides nothing."""
+    groups = LlamaArgs.debug().n_layers + 1
+    for default, one in pool.run(job_count_divisions):
+        assert (default, one) == (groups, 0)

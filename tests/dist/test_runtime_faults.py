@@ -114,8 +114,9 @@ def job_failed_unshard_wait(use_shm: bool, via: str) -> dict:
                 raise RuntimeError("injected: the gather's wait failed")
 
         group.unshard(async_op=True)
-        work, out = group._gather
-        group._gather = (FailsOnce(work, out), out)
+        gather = group._gather
+        out = gather.out
+        gather.work = FailsOnce(gather.work, out)
         err = capture_error(group.wait_unshard if via == "wait_unshard" else group.reshard)
         state = {"gathering": group.gathering, "unsharded": group.unsharded}
         with torch.no_grad():

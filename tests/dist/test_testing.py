@@ -250,3 +250,48 @@ def test_random_valid_plans_pass(pool):
                        forward=lm_forward, meshes=[(2, 2)], steps=1)
 
     check()
+
+
+# -- a test that is itself wrong, and a parameter the plan stops training (issue 32) -------
+_BUILDS = iter(range(10**9))
+
+
+def build_toy_reseeded():
+    """Seeds itself (differently on every call): ignores check_parallel's seed."""
+    torch.manual_seed(next(_BUILDS))
+    return Toy()
+
+
+def build_toy_dropout():
+    model = Toy()
+    model.mid = nn.Dropout(0.5)  # training mode: a fresh random mask on every forward
+    return model
+
+
+def parallelize_bias_to_buffer(model, mesh):
+    """Correct shardings, but ``head.bias`` becomes a buffer: the parallel model never trains it."""
+    model.head.register_buffer("bias", model.head._parameters.pop("bias").detach())
+    parallelize_toy_right(model, mesh)
+
+
+def per_sample_loss(logits, tokens):
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")  # (B * T,)
+
+
+@pytest.mark.parametrize("build,parallelize,loss,error,words", [
+    (build_toy, parallelize_bias_to_buffer, toy_loss, AssertionError,
+     r"mesh \(dp=2, tp=2\): step 0: reference parameter 'head\.bias' is not a parameter of the parallel model "
+     r"\(after parallelize: a buffer there\), so it is never trained"),
+    (build_toy_dropout, parallelize_toy_right, toy_loss, ValueError,
+     r"^check_parallel: the reference is not deterministic \(dropout\? set p=0 / eval\(\)\).*first at module 'mid'"),
+    (build_toy_reseeded, parallelize_toy_right, toy_loss, ValueError,
+     r"^check_parallel: build\(\) does not follow the seed: .* give 'emb\.weight' with different values"),
+    (build_toy, parallelize_toy_right, per_sample_loss, TypeError,
+     r"^check_parallel: loss_fn must return a scalar tensor .* a tensor of shape \(32,\)"),
+], ids=["param-made-buffer", "dropout", "build-ignores-seed", "per-sample-loss"])
+def test_misuse_and_untrained_parameters_are_named(pool, build, parallelize, loss, error, words):
+    """Before: the buffer passed (never compared), dropout blamed module 'mid', the reseeding
+    build blamed parallelize for 'emb.weight', the per-sample loss gave 4 worker tracebacks."""
+    with pytest.raises(error, match=words) as exc:
+        check_parallel(build, parallelize, BATCHES, loss, forward=lm_forward, meshes=[(2, 2)], steps=1)
+    assert "\n" not in str(exc.value) and type(exc.value) is error, str(exc.value)

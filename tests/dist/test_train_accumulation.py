@@ -57,8 +57,9 @@ def job_accumulate(mode: str) -> dict:
         fsdp2d.clip_grad_norm_(ref.parameters(), cfg.optim.max_norm)
         ref_opt.step()
         ref_opt.zero_grad()
-    groups = [m._fsdp2d_fsdp.group for m in model.modules() if isinstance(m, fsdp2d.FSDPModule)]
-    reduce_scatters = sum(gr.counts["reduce_scatter"] for gr in groups if gr is not None)
+    groups = list({id(m._fsdp2d_fsdp.group): m._fsdp2d_fsdp.group for m in model.modules()
+                   if isinstance(m, fsdp2d.FSDPModule) and m._fsdp2d_fsdp.group is not None}.values())
+    reduce_scatters = sum(gr.counts["reduce_scatter"] for gr in groups)
     want = dict(ref.named_parameters())
     err = max((p.full_tensor() - want[n]).abs().max().item() for n, p in model.named_parameters())
     return {"param_abs": err, "reduce_scatters": reduce_scatters, "groups": len(groups)}
@@ -71,3 +72,42 @@ def test_launcher_accumulation_matches_one_process(pool, mode):
     for rank, r in enumerate(pool.run(job_accumulate, mode, timeout=300)):
         assert r["param_abs"] < PARAM_TOL, (rank, r)
         assert r["reduce_scatters"] == STEPS * r["groups"] * (3 if mode == "every" else 1), (rank, r)
+
+
+def job_wrapping() -> list[tuple]:
+    from fsdp2d.plan.cli import resolve
+    from fsdp2d.train.trainer import parallelize_model
+
+    cfg = resolve(str(CONFIG), [], 4)
+    model = parallelize_model(cfg, get_mesh(cfg.mesh_shape, cfg.mesh_dim_names))
+    paths: dict[int, list[str]] = {}
+    states = {}
+    for path, m in model.named_modules():
+        state = getattr(m, "_fsdp2d_fsdp", None)
+        if state is not None:
+            paths.setdefault(id(state), []).append(path)
+            states[id(state)] = state
+    out = []
+    for key, state in states.items():
+        g = state.group
+        out.append((tuple(paths[key]), None if g is None else sorted(p.fqn for p in g.params),
+                    None if g is None else g.reshard_after_forward))
+    return out
+
+
+def test_trainer_wraps_embeddings_blocks_and_head_as_torchtitan(pool):
+    """Issue 30 item 2: the embeddings in a group of their own, [norm, output] in one,
+    neither they nor the last block resharded after forward; the root holds nothing
+    (its all-gather and reduce-scatter are not exposed at the ends of a step)."""
+    for groups in pool.run(job_wrapping):
+        assert sorted(groups) == sorted([
+            (("",), None, None),
+            (("tok_embeddings",), ["weight"], True),
+            (("layers.0",), [f"{n}.weight" for n in sorted(
+                ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "attention_norm",
+                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "ffn_norm"])], True),
+            (("layers.1",), [f"{n}.weight" for n in sorted(
+                ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "attention_norm",
+                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "ffn_norm"])], False),
+            (("norm", "output"), ["weight", "weight"], False),
+        ]), groups

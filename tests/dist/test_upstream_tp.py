@@ -65,9 +65,6 @@ TORCH_PASSES = {
 
 # THE list: tests torch passes on CPU that fsdp2d does not, each with its reason.
 EXCEPTIONS = {
-    "test_parallelize_api.py::TensorParallelAPITests.test_parallelize_module_with_no_match": (
-        "a plan pattern that matches no module raises ValueError naming the closest module names; torch "
-        "warns and goes on, leaving that part of the model unsharded (a typo trains another model)"),
     "test_tp_style.py::TensorParallelStyleTest.test_rowwise_parallel_style": (
         "fsdp2d sums the partial gradient of a replicated parameter over TP in backward (here the "
         "bias of RowwiseParallel(output_layouts=Shard(0))): one more all-reduce in backward (3 "

@@ -1,5 +1,7 @@
 """fsdp2d.init_device_mesh gives NCCL's data-parallel axis groups high-priority streams
-(issue 20 item 4): checked without NCCL by recording what reaches ``dist.new_group``."""
+(issue 20 item 4), binds the default group to its device, splits axis groups from it
+and reuses it for an axis that spans the world (issue 30 item 5): checked without NCCL
+by recording what reaches ``dist.new_group``, ``split_group`` and ``init_process_group``."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def world(monkeypatch):
         monkeypatch.setattr(dist, "ProcessGroupNCCL", type("PG", (), {"Options": _Options}), raising=False)
         monkeypatch.setattr(M, "group_timeout", lambda group=None: timedelta(seconds=77))
         monkeypatch.setattr(type(dist.group), "WORLD", property(lambda cls: "world"))
+        monkeypatch.setattr(M, "_splits", lambda: False)  # no device bound (see test_bound_nccl_...)
         return calls
 
     return setup
@@ -43,7 +46,8 @@ def world(monkeypatch):
 
 def _groups(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> list:
     grid = torch.arange(8, dtype=torch.int).reshape(shape)
-    return [M._new_axis_groups(grid, axis, M._high_priority(device_type, names[axis])) for axis in range(len(shape))]
+    return [M._axis_group(grid, axis, M._high_priority(device_type, names[axis]), names[axis])
+            for axis in range(len(shape))]
 
 
 def test_nccl_data_parallel_axes_get_high_priority_streams(world):
@@ -56,10 +60,62 @@ def test_nccl_data_parallel_axes_get_high_priority_streams(world):
     assert len({id(o) for _, o in dp}) == 2  # one options object per group (new_group writes into it)
 
 
-def test_nccl_whole_world_data_parallel_axis_is_a_group_of_its_own(world):
+def test_nccl_whole_world_data_parallel_axis_reuses_the_default_group(world):
+    """A second world-sized communicator would cost NCCL buffers and a set-up; the default
+    group made by fsdp2d has high-priority streams itself (test_cuda_default_group_...)."""
     calls = world("nccl")
-    [group] = _groups("cuda", (8,), ("dp",))
-    assert group == "group1" and calls[0][0] == list(range(8)) and calls[0][1].is_high_priority_stream
+    assert _groups("cuda", (8,), ("dp",)) == ["world"] and not calls
+    tp, dp = _groups("cuda", (1, 8), ("tp", "dp"))
+    assert dp == "world" and [r for r, _ in calls] == [[i] for i in range(8)]  # (tp: one rank per line)
+
+
+def test_bound_nccl_splits_each_axis_once(world, monkeypatch):
+    """With the default group bound to a device, each axis is one ``split_group`` of
+    every line (not a new_group per line), data-parallel axes with high priority."""
+    calls = world("nccl")
+    splits = []
+
+    def split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None, group_desc=None):
+        assert timeout == timedelta(seconds=77)
+        splits.append((split_ranks, pg_options, group_desc))
+        return f"split{len(splits)}"
+
+    monkeypatch.setattr(M, "_splits", lambda: True)
+    monkeypatch.setattr(dist.distributed_c10d, "split_group", split_group, raising=False)
+    assert _groups("cuda", (4, 2), ("dp", "tp")) == ["split1", "split2"] and not calls
+    (dp_lines, dp_opts, dp_desc), (tp_lines, tp_opts, tp_desc) = splits
+    assert dp_lines == [[0, 2, 4, 6], [1, 3, 5, 7]] and tp_lines == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dp_opts.is_high_priority_stream and tp_opts is None and (dp_desc, tp_desc) == ("mesh_dp", "mesh_tp")
+
+
+def test_cuda_default_group_is_bound_to_its_device_with_high_priority(monkeypatch):
+    """``init_process_group(device_id=...)``: NCCL's eager init and communicator splitting."""
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", type("PG", (), {"Options": _Options}), raising=False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: seen.setdefault("set_device", device))
+    for k, v in {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    M._ensure_process_group("cuda", 8)
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 3) == seen["set_device"]
+    assert seen["pg_options"].is_high_priority_stream
+
+
+def test_abort_after_an_exception_destroy_after_a_clean_run(monkeypatch):
+    """An unfinished collective makes destroying NCCL communicators wait (a hang at exit):
+    after an exception or Ctrl-C the launcher aborts them."""
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: not calls)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda group=None: calls.append("abort"))
+    M.shutdown(abort=True)
+    M.shutdown(abort=True)  # nothing left: a no-op
+    assert calls == ["abort"]
+    calls.clear()
+    M.shutdown(abort=False)
+    assert calls == ["destroy"]
 
 
 @pytest.mark.parametrize("backend,device", [("gloo", "cpu"), ("fake", "cuda")])

@@ -79,8 +79,6 @@ def test_star_matches_one_level(llama):
 
 def test_resolve_errors(llama):
     col = ColwiseParallel()
-    with pytest.raises(ValueError, match=r"'layers\.\*\.wq' matches no module; closest module names: layers"):
-        _resolve(llama, {"layers.*.wq": col})
     with pytest.raises(ValueError) as e:
         _resolve(llama, {"layers.*.attention.wq": col, "layers.1.attention.w[qv]": col})
     msg = str(e.value)
@@ -89,6 +87,19 @@ def test_resolve_errors(llama):
         _resolve(llama, {"output": {"style": col}})
     resolved = _resolve(llama, {"layers.*.attention.wq": col, "output": RowwiseParallel()})
     assert [fqn for fqn, _, _ in resolved] == ["layers.0.attention.wq", "layers.1.attention.wq", "output"]
+
+
+def test_a_key_that_matches_nothing_warns_and_is_skipped(llama):
+    """As torch (PyTorch's test_parallelize_module_with_no_match expects the warning):
+    the key is named, with the level that matches nothing and the closest module names,
+    and the other entries still apply."""
+    col = ColwiseParallel()
+    with pytest.warns(UserWarning, match=r"plan key 'layers\.\*\.wq' could not be resolved: no submodule matches "
+                                         r"'layers\.\*\.wq' in Llama \(closest module names: layers.*skipping"):
+        resolved = _resolve(llama, {"layers.*.wq": col, "output": RowwiseParallel()})
+    assert [fqn for fqn, _, _ in resolved] == ["output"]
+    with pytest.warns(UserWarning, match=r"'net0\.hello\.world' could not be resolved: no submodule matches 'net0'"):
+        assert _resolve(llama, {"net0.hello.world": col}) == []
 
 
 def test_parallelize_module_without_mesh(llama):

@@ -116,3 +116,40 @@ def test_vocabulary_is_checked_before_torchrun_starts(launches, capsys, tmp_path
     code = cli.train([*base, f"--data.path={tmp_path / 't.bin'}", "--data.format=uint16"])
     _one_line_error(capsys, code, "t.bin: token id 256 at token offset 1001")
     assert not launches
+
+
+class _Trainer:
+    """Stands in for the workers' Trainer: ``run`` raises ``error`` (None: finishes)."""
+
+    error: BaseException | None = None
+
+    def __init__(self, cfg) -> None:
+        self.step, self.ckpts = 3, type("C", (), {"latest": lambda self: None})()
+
+    def maybe_resume(self) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def run(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("error,aborts", [(None, False), (RuntimeError("NCCL timeout"), True),
+                                          (KeyboardInterrupt(), True)])
+def test_worker_aborts_process_groups_after_an_exception(monkeypatch, error, aborts):
+    """Issue 30 item 5: after an exception or Ctrl-C some collectives may be unfinished, and
+    destroy_process_group() would wait for them; the worker aborts instead."""
+    from fsdp2d.train import trainer
+
+    calls = []
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(cli, "shutdown", lambda *, abort: calls.append(abort))
+    monkeypatch.setattr(cli, "worker_failed", lambda exc, run_dir, rank: calls.append(str(exc)) or 1)
+    monkeypatch.setattr(_Trainer, "error", error)
+    monkeypatch.setattr(trainer, "Trainer", _Trainer)
+    code = cli.train(["--config", CONFIG])
+    assert code == {type(None): 0, RuntimeError: 1, KeyboardInterrupt: 130}[type(error)]
+    assert calls == (["NCCL timeout"] if isinstance(error, RuntimeError) else []) + [aborts]

@@ -132,7 +132,15 @@ def _cfg(*overrides: str) -> JobConfig:
     (["--optim.lr=0"], 1, "optim.lr=0.0 must be > 0"),
     (["--optim.betas=0.9,1.0"], 1, "optim.betas=(0.9, 1.0) must be each in [0, 1)"),
     (["--checkpoint.every=-1"], 1, "checkpoint.every=-1 must be >= 0"),
-    (["--parallel.dp=0"], None, "parallel.dp=0 must be >= 1"),
+    (["--parallel.dp=0"], None, "parallel.dp=0 must be in [1, 1048576]"),
+    # issue 32: sizes that hung the launcher and the planner are bounded (global_batch=1e12:
+    # tests/unit/test_plan_cli.py, under a deadline), and the divisors of a large per-rank
+    # batch are listed in part
+    (["--parallel.dp=1048576", "--parallel.tp=2", "--training.global_batch=2097152"], None,
+     "the mesh hsdp_replicate * dp * tp = 1 * 1048576 * 2 = 2097152 GPUs must be at most 1048576"),
+    (["--training.global_batch=16777216", "--training.micro_batch=7"], 1,
+     "must divide the per-rank batch 16777216 (= global_batch / 1 data-parallel ranks): use one of "
+     "{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, ..., 2097152, 4194304, 8388608, 16777216}"),
 ])
 def test_each_validation_error(overrides, world, message):
     assert message in _errors(_cfg(*overrides), world)

@@ -1,0 +1,117 @@
+"""In-place edits to the parameters while a group is gathered (issue 30 item 6): every
+edit is seen by the next forwards, or it raises naming the parameter.
+
+A group stays gathered after a forward without backward (the root, as after an eval
+right after training), with ``set_reshard_after_backward(False)``, or after a manual
+``unshard()``. Two ways to edit then, each checked against one process on the 2 x 2
+(dp, tp) mesh in float64, three ``no_grad`` forwards after the edit:
+
+- through references kept from before the forward, as an optimizer or an EMA helper
+  holds the sharded DTensor parameters (``p.mul_()``, ``p.copy_(ema)``): the edit lands
+  in the shards, and bumps only the DTensor's own version counter;
+- through ``model.parameters()`` while gathered: the edit lands in the unsharded copy,
+  which the next reshard writes back to the shards.
+
+Measured on this test before the fix (three forwards each): refs after a forward
+[1.22, 0, 0] (the root's stale gathered copy used once), parameters after a forward
+[0, 1.22, 1.22] and with set_reshard_after_backward(False) the same (the edit lost at
+the first reshard), after a manual unshard() [0, 0.0035, 0.0035]. Tolerance: float64
+forwards of the same weights differ by the order of TP/FSDP sums, ~1e-16 relative; 1e-12
+is far below any lost edit (>= 1e-2 here).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from . import _parity as P
+
+FLOWS = ("refs_after_forward", "parameters_after_forward", "parameters_no_reshard_after_backward",
+         "parameters_after_unshard")
+
+
+def _edit(params, ref_params) -> None:
+    """Scale half the parameters in place, copy a decayed value into the others (EMA)."""
+    with torch.no_grad():
+        for i, (p, q) in enumerate(zip(params, ref_params)):
+            if i % 2:
+                p.mul_(0.5), q.mul_(0.5)
+            else:
+                p.copy_(p.detach() * 0.9), q.copy_(q.detach() * 0.9)
+
+
+def job_edits(flow: str) -> list[float]:
+    torch.set_num_threads(1)
+    s = P.Setup(model="llama", mesh=(2, 2), names=("dp", "tp"))
+    ref = P.build("llama").double()
+    model = copy.deepcopy(ref)
+    P.parallelize(model, s)
+    x, _ = P.batch_for(0, s)
+    if flow == "refs_after_forward":
+        params = list(model.parameters())  # the sharded DTensors, as an optimizer holds them
+        model(x)  # grad-enabled forward, no backward: the root stays gathered
+        _edit(params, list(ref.parameters()))
+    elif flow == "parameters_after_forward":
+        model(x)
+        _edit(list(model.parameters()), list(ref.parameters()))  # the root's gathered copies, the blocks' shards
+    elif flow == "parameters_no_reshard_after_backward":
+        model.set_reshard_after_backward(False)
+        model(x).sum().backward()
+        _edit(list(model.parameters()), list(ref.parameters()))  # every group's gathered copies
+    else:
+        model.layers[0].unshard()
+        _edit(list(model.layers[0].parameters()), list(ref.layers[0].parameters()))
+    errs = []
+    with torch.no_grad():
+        want = ref(x)
+        for _ in range(3):
+            got = model(x)
+            errs.append(((got - want).norm() / want.norm()).item())
+    return errs
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+def test_edits_while_gathered_are_seen(pool, flow):
+    for errs in pool.run(job_edits, flow):
+        assert max(errs) < 1e-12, (flow, errs)
+
+
+def job_refused() -> dict:
+    """Edits fsdp2d cannot keep: both copies edited; a lower-precision compute copy."""
+    torch.set_num_threads(1)
+    s = P.Setup(model="llama", mesh=(2, 2), names=("dp", "tp"))
+    x, _ = P.batch_for(0, s)
+    out = {}
+    model = P.build("llama").double()
+    P.parallelize(model, s)
+    params = list(model.parameters())
+    model(x)
+    with torch.no_grad():
+        params[0].mul_(2)  # tok_embeddings.weight, a shard of the root's group
+        model.tok_embeddings.weight.mul_(3)  # its gathered copy
+    try:
+        model(x)
+    except RuntimeError as e:
+        out["both"] = str(e)
+    s = P.Setup(model="llama", mesh=(2, 2), names=("dp", "tp"), param_dtype=torch.float32)
+    model = P.build("llama").double()
+    P.parallelize(model, s)
+    model(x)
+    with torch.no_grad():
+        model.output.weight.mul_(2)  # the float32 compute copy of float64 shards
+    try:
+        model(x)  # (the root's reshard comes with the no_grad forward's end: not yet)
+        with torch.no_grad():
+            model(x)
+    except RuntimeError as e:
+        out["dtype"] = str(e)
+    return out
+
+
+def test_edits_that_cannot_be_kept_raise_naming_the_parameter(pool):
+    for r in pool.run(job_refused):
+        assert "'tok_embeddings.weight'" in r.get("both", "") and "stale copy" in r["both"], r
+        assert "'output.weight'" in r.get("dtype", "") and "torch.float32" in r["dtype"], r

@@ -1,0 +1,100 @@
+"""What a training step launches and waits for (issue 30 items 4 and 7), checked on CPU:
+the gradient clip's dispatched ops do not grow with the number of parameters, the
+gradient average is done inside the collective where the backend can, batches reach a
+GPU through pinned memory without a host sync, AdamW takes its fused form, and the
+metrics carry the CUDA allocator's figures (CUDA calls are stood in for here)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp2d
+from fsdp2d import _collectives as C
+from fsdp2d.debug import OpCounter
+from fsdp2d.train import metrics
+from fsdp2d.train.optim import adamw_kind
+from fsdp2d.train.trainer import to_device
+
+
+def _params(n: int, seed: int) -> list[nn.Parameter]:
+    """``n`` parameters with gradients, one of them empty (a rank's empty shard)."""
+    g = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(5, 3, generator=g)) for _ in range(n - 1)] + [nn.Parameter(torch.empty(0, 3))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    return params
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clip_ops_do_not_grow_with_the_number_of_parameters(norm_type):
+    """A foreach norm and a foreach scale: the same ops for 39 and 390 gradients (before:
+    ~8 fp64 kernels per gradient, 321 ops for 39), and torch's result."""
+    counts = []
+    for n in (39, 390):
+        params, ref = _params(n, n), _params(n, n)
+        with OpCounter() as ops:
+            total = fsdp2d.clip_grad_norm_(params, 0.5, norm_type)
+        counts.append(sum(ops.ops.values()))
+        # (torch's own refuses an empty gradient with the inf norm: the reference skips it)
+        want = torch.nn.utils.clip_grad_norm_(ref[:-1], 0.5, norm_type)
+        # fp32 norms of the same gradients in another summation order: ~1e-7 relative
+        assert torch.allclose(total, want, rtol=1e-6), (total, want)
+        for p, q in zip(params, ref):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    assert counts[0] == counts[1] <= 20, counts
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("backend,dtype,divide,force,want", [
+    ("nccl", torch.float32, 8.0, False, ("AVG", 1.0)),         # the group's size: NCCL averages
+    ("nccl", torch.bfloat16, 32.0, False, ("PREMUL_SUM", 1.0)),  # HSDP's dp size or a custom factor
+    ("fake", torch.float32, 8.0, False, ("AVG", 1.0)),          # `fsdp2d plan` simulates NCCL
+    ("nccl", torch.float32, 1.0, False, ("SUM", 1.0)),          # factor 1 sums: no division at all
+    ("nccl", torch.float16, 8.0, False, ("SUM", 8.0)),          # fp16 could underflow: torch's rule too
+    ("nccl", torch.float32, 8.0, True, ("SUM", 8.0)),           # set_force_sum_reduction_for_comms
+    ("gloo", torch.float32, 8.0, False, ("SUM", 8.0)),          # gloo has no AVG for every collective
+])
+def test_gradient_average_is_inside_the_collective_where_the_backend_has_it(monkeypatch, backend, dtype, divide,
+                                                                            force, want):
+    group = _Group(8)
+    monkeypatch.setattr(C, "_backend", lambda g: backend)
+    op, after = C.reduce_op(group, divide, torch.zeros(1, dtype=dtype), force)
+    name = "PREMUL_SUM" if not isinstance(op, dist.ReduceOp.RedOpType) else op.name
+    assert (name, after) == want
+
+
+def test_batches_reach_the_gpu_through_pinned_memory(monkeypatch):
+    """A copy from pageable memory waits for the GPU; from pinned memory with
+    ``non_blocking`` it does not."""
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: calls.append("pin_memory") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(("to", a, k)) or self)
+    x = torch.zeros(2, 3, dtype=torch.long)
+    to_device(x, torch.device("cuda", 0))
+    assert calls == ["pin_memory", ("to", (torch.device("cuda", 0),), {"non_blocking": True})]
+    calls.clear()
+    assert to_device(x, torch.device("cpu")) is x and not calls
+
+
+def test_adamw_is_fused_where_torch_has_the_kernel():
+    assert adamw_kind("cpu") == adamw_kind("cuda") == "fused"  # torch 2.13 has both
+
+
+def test_metrics_carry_the_cuda_allocators_figures(monkeypatch):
+    assert metrics.allocator_metrics("cpu") == {}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": 3})
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 5 * 2**20)
+    assert metrics.allocator_metrics("cuda") == {"max_mem_reserved_mib": 5.0, "num_alloc_retries": 3}
