@@ -3,7 +3,8 @@ one line on stderr, exit code 2, never torchrun's 25-line ChildFailedError repor
 failure after the start leaves its traceback in RUN/logs/ and the line says where.
 
 Each case starts a real job (``fsdp2d train`` -> torchrun -> 2 workers, so the line must
-be printed once for several ranks).
+be printed once for several ranks) that fails in the workers: a data refusal before the
+start, and a full disk at the first checkpoint.
 """
 
 from __future__ import annotations
@@ -33,28 +34,34 @@ def _train(cwd: Path, *extra: str, dp: int = 1, env: dict | None = None,
 
 
 def _one_line(proc: subprocess.CompletedProcess, start: str) -> str:
+    """The one line of stderr (besides the launcher's tokenizing progress bar)."""
     everything = proc.stdout + proc.stderr
     assert proc.returncode == 2, everything[-3000:]
     assert "Traceback" not in everything and "ChildFailedError" not in everything, everything[-3000:]
-    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(start), everything[-3000:]
-    return proc.stderr
+    err = "".join(line for line in proc.stderr.splitlines(keepends=True) if not line.startswith("pretokenize ["))
+    assert err.count("\n") == 1 and err.startswith(start), everything[-3000:]
+    return err
 
 
 @pytest.mark.dist
-def test_a_refused_corpus_is_one_line_even_from_a_folder_named_fsdp2d(tmp_path):
-    """An empty .txt corpus on 2 ranks: each worker refused it, then torchrun printed its
-    report and exited 1; now the line is printed once, exit 2. The job runs from a folder
-    that holds a clone named fsdp2d, as in issue 32 (it crashed every rank): the launcher
-    keeps the current directory off the workers' path. (An empty tokens.bin and a 36-byte
-    corpus end in the same worker path: tests/test_train_launch.py runs it in-process.)"""
+def test_a_corpus_the_workers_refuse_is_one_line_even_from_a_folder_named_fsdp2d(tmp_path):
+    """A corpus the launcher passes (it tokenizes 36 bytes) and the workers refuse (one
+    sequence, fewer than one global micro-batch), on 2 ranks: each worker refused it, then
+    torchrun printed its report and exited 1; now the line is printed once, exit 2. The job
+    runs from a folder that holds a clone named fsdp2d, as in issue 32 (it crashed every
+    rank): the launcher keeps the current directory off the workers' path. (Corpora the
+    launcher itself refuses, e.g. an empty .txt, never reach the workers:
+    tests/unit/test_train_cli.py; the worker path in-process: tests/test_train_launch.py.)"""
     clone = tmp_path / "fsdp2d"
     clone.mkdir()
     for item in ROOT.iterdir():
         if item.name != ".venv":
             (clone / item.name).symlink_to(item)
-    (tmp_path / "empty.txt").write_text("")
-    _one_line(_train(tmp_path, f"--data.path={tmp_path / 'empty.txt'}", dp=2), "config error: ")
-    assert not (tmp_path / "runs").exists()  # refused before anything was written
+    (tmp_path / "b.txt").write_text("hello world, 36 bytes of text here.\n")
+    err = _one_line(_train(tmp_path, f"--data.path={tmp_path / 'b.txt'}", dp=2), "config error: source 'b' (")
+    assert "fewer than one global micro-batch of 4 (2 data-parallel rank(s)" in err, err
+    run = tmp_path / "runs" / "job"
+    assert [p.name for p in run.iterdir()] == ["tokens"]  # refused before the start: only the token cache
 
 
 @pytest.mark.dist

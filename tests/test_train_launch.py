@@ -43,6 +43,42 @@ def test_startup_progress_throughput_and_the_tokenizer(tmp_path, world1, capsys)
     assert json.loads((hf / "config.json").read_text())["eos_token_id"] == 2
 
 
+def test_a_token_store_run_records_exports_and_describes_its_own_tokenizer(tmp_path, world1, capsys):  # noqa: F811
+    """Review of issue 29: a run on a token store with data.tokenizer unset (the llama3
+    presets) said `tokenizer bytes`, recorded none and exported none, and `generate` decoded
+    its BPE ids as bytes. Now the store's tokenizer is described, recorded (path, sha256) and
+    exported; with its file gone the run says so at the start, still ends with exit 0 and
+    an export of the weights alone, and generate refuses in one line."""
+    from fsdp2d.data import pretokenize
+    from fsdp2d.train.generate import main as generate
+    from fsdp2d.train.trainer import Trainer
+
+    tok = _bpe(tmp_path / "tok.json")
+    (tmp_path / "c.txt").write_text("def f(x): return x + 1\nhello world, hello there\n" * 150)
+    pretokenize(tmp_path / "c.txt", tmp_path / "store", tok, workers=0, progress=False)
+    args = [f"--data.path={tmp_path / 'store'}", "--data.format=auto", "--model.vocab_size=64"]
+    for name in ("found", "gone"):
+        if name == "gone":
+            tok.rename(tmp_path / "away.json")
+            _fresh_group()
+        trainer = Trainer(_local(tmp_path, name, *args))
+        trainer.maybe_resume()
+        trainer.start()
+        trainer.run()
+        out = capsys.readouterr().out
+        hf, extra = trainer.cfg.run_dir / "hf", ckpt.read_index(trainer.ckpts.latest())["extra"]
+        assert extra["tokenizer"] == str(tok.resolve()) and len(extra["tokenizer_sha256"]) == 64
+        if name == "found":
+            assert f"; tokenizer {tok.resolve()}, bos 1, eos 2" in out, out
+            assert (hf / "tokenizer.json").read_bytes() == tok.read_bytes()
+        else:
+            assert f"; tokenizer {tok.resolve()} (sha256 " in out and "not found; set data.tokenizer to it, or the HF export has no" in out, out
+            assert (hf / "model.safetensors").is_file() and not (hf / "tokenizer.json").exists()
+            assert generate([str(trainer.ckpts.latest()), "--max-new-tokens", "1"]) == 1
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "which is not there: pass --tokenizer PATH" in err, err
+
+
 def test_a_worker_refuses_a_folder_another_run_holds(tmp_path, world1):  # noqa: F811
     """Issue 32 item 2, the worker side (a job started by torchrun directly): rank 0 takes
     the lock before the folder is read; refused, the folder is left as it was."""
@@ -125,7 +161,9 @@ def test_data_document_mask_masks_each_micro_batch(tmp_path, world1):  # noqa: F
 def test_a_refused_corpus_ends_the_worker_in_one_line(tmp_path, world1, monkeypatch, capsys, corpus):  # noqa: F811
     """Issue 32 item 14, the worker side in-process (tests/test_launch_errors.py runs the
     launcher end to end): the worker's run ends in one line on stderr and exit code 2,
-    nothing written."""
+    nothing written but the token cache of what it tokenized (reused by the next start). The
+    36-byte corpus (one sequence) trained 4 steps on that sequence repeated in every sample
+    after issue 29: a train split smaller than one global micro-batch is refused again."""
     from fsdp2d.train import cli, failure
 
     monkeypatch.delenv(failure.LAUNCHER_ENV, raising=False)
@@ -136,5 +174,11 @@ def test_a_refused_corpus_ends_the_worker_in_one_line(tmp_path, world1, monkeypa
     cfg = _local(tmp_path, "job", f"--data.path={tmp_path / path}", *extra)
     assert cli._worker(cfg) == 2
     out = capsys.readouterr()
-    assert out.err.count("\n") == 1 and out.err.startswith("config error: ") and "Traceback" not in out.out, out
-    assert not (tmp_path / "job").exists()
+    err = "".join(line for line in out.err.splitlines(keepends=True) if not line.startswith("pretokenize ["))
+    assert err.count("\n") == 1 and err.startswith("config error: ") and "Traceback" not in out.out, out
+    if corpus.startswith("36"):
+        assert "source 'b' (" in err and "36 train tokens: 1 sequence(s) of seq_len + 1 = 33 tokens, fewer than one " \
+            "global micro-batch of 2 (1 data-parallel rank(s) x micro_batch 2)" in err, err
+    left = {p.relative_to(tmp_path / "job").parts[0] for p in (tmp_path / "job").rglob("*")} \
+        if (tmp_path / "job").exists() else set()
+    assert left <= {"tokens"}, left

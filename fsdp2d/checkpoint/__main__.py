@@ -20,16 +20,20 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--tokenizer", default=None,
                     help="hf: 'bytes' or a tokenizer.json to write beside the weights (default: the run's, as "
                          "the checkpoint records it)")
+    ex.add_argument("--no-tokenizer", action="store_true", help="hf: write the model alone, no tokenizer files")
     ins = sub.add_parser("inspect", help="print tensors, shapes, dtypes, mesh and sizes")
     ins.add_argument("ckpt")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "export":
             size = int(args.max_shard_gib * 2**30)
+            if args.tokenizer and args.no_tokenizer:
+                parser.error("--tokenizer and --no-tokenizer: give one")
             if args.format == "hf":
-                paths = export_hf(args.ckpt, args.out, max_shard_bytes=size, tokenizer=args.tokenizer)
-            elif args.tokenizer:
-                parser.error("--tokenizer goes with --format hf")
+                paths = export_hf(args.ckpt, args.out, max_shard_bytes=size,
+                                  tokenizer=False if args.no_tokenizer else args.tokenizer)
+            elif args.tokenizer or args.no_tokenizer:
+                parser.error("--tokenizer and --no-tokenizer go with --format hf")
             else:
                 paths = export(args.ckpt, args.out, max_shard_bytes=size)
             for path in paths:

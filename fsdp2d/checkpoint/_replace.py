@@ -5,8 +5,12 @@ An export folder may already hold an earlier export, of another layout (one
 file by file would leave the old index or shards beside the new weights, and a reader
 (transformers, :func:`fsdp2d.hf.from_hf`) could load the old model. So an export is
 written into a staging folder inside ``out`` (same file system: renames are atomic),
-then :func:`_swap` moves the old model files aside and the new ones in; other files
-(a tokenizer, a README) stay. A failed export leaves the previous one as it was.
+then :func:`_swap` moves the old export's files aside and the new ones in. The files an
+export owns are the model files (both layouts, :data:`_MODEL_FILES`) and every name the
+earlier export wrote, which each export lists in :data:`LISTING` (so the tokenizer files
+of an earlier export with a tokenizer do not stay beside the weights of one without);
+other files (the user's README, a tokenizer put there by hand) stay. A failed export
+leaves the previous one as it was.
 
 A killed export (SIGKILL, power loss) cannot roll back: killed while writing, it leaves
 a staging folder and the old export intact; killed inside the swap (a few renames), a mix
@@ -17,6 +21,7 @@ it (``--resume`` ends with one) replaces every model file and removes stale stag
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,7 +32,10 @@ from typing import Callable
 from .._export_stage import STAGE_PREFIX
 from ._index import CheckpointError
 
-__all__ = ["write_replacing"]
+__all__ = ["write_replacing", "remove_export", "LISTING"]
+
+LISTING = ".fsdp2d-export.json"
+"""The names an export wrote (a JSON list), beside them: the next export replaces them all."""
 
 # The files an export owns in its folder (both formats), replaced as a set.
 _MODEL_FILES = re.compile(r"(model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors|"
@@ -44,7 +52,9 @@ def write_replacing(out: Path, ckpt: Path, write: Callable[[Path], list[str]]) -
     stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=out))
     try:
         reported = write(stage)
-        _swap(stage, out, sorted(p.name for p in stage.iterdir()))
+        names = sorted(p.name for p in stage.iterdir())
+        (stage / LISTING).write_text(json.dumps(names) + "\n")
+        _swap(stage, out, [*names, LISTING])
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     for p in stale:  # only now: until the swap, one may hold the files of a half-swapped export
@@ -60,9 +70,10 @@ def _swap(stage: Path, out: Path, names: list[str]) -> None:
     aside = stage / ".previous"
     aside.mkdir()
     moved, placed = [], []
+    owned = set(names) | _listed(out)
     try:
         for p in sorted(out.iterdir()):
-            if (_MODEL_FILES.fullmatch(p.name) or p.name in names) and not p.is_dir():  # (a tokenizer too)
+            if (_MODEL_FILES.fullmatch(p.name) or p.name in owned) and not p.is_dir():
                 os.replace(p, aside / p.name)
                 moved.append(p.name)
         for name in names:
@@ -75,6 +86,26 @@ def _swap(stage: Path, out: Path, names: list[str]) -> None:
             os.replace(aside / name, out / name)
         raise
     _fsync_dir(out)
+
+
+def remove_export(out: Path) -> None:
+    """Delete the export in ``out``: the files it owns (as :func:`_swap` replaces them), nothing else."""
+    if not out.is_dir():
+        return
+    owned = _listed(out) | {LISTING}
+    for p in out.iterdir():
+        if (_MODEL_FILES.fullmatch(p.name) or p.name in owned) and p.is_file():
+            p.unlink()
+
+
+def _listed(out: Path) -> set[str]:
+    """The names the earlier export in ``out`` wrote (plain names only; none if unreadable)."""
+    try:
+        names = json.loads((out / LISTING).read_text())
+    except (OSError, ValueError):
+        return set()
+    return {n for n in names if isinstance(n, str) and n == Path(n).name and not n.startswith(".")} \
+        if isinstance(names, list) else set()
 
 
 def _fsync_dir(path: Path) -> None:

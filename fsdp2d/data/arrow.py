@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .chunks import Chunk
-from .errors import DataError
+from .errors import DataError, reading
 from .files import inside
 
 __all__ = ["parquet_chunks", "arrow_chunks", "hf_dataset_files", "is_hf_dataset"]
@@ -43,16 +43,22 @@ def _check_column(path: Path, schema, field: str) -> None:
 def parquet_chunks(path: Path, digest, text_field: str) -> Iterator[Chunk]:
     import pyarrow.parquet as pq
 
-    _hash_file(path, digest)
-    meta = pq.ParquetFile(path)
-    _check_column(path, meta.schema_arrow, text_field)
-    row = 0
-    for group in range(meta.num_row_groups):
-        yield Chunk("parquet", str(path), row, group, text_field)
-        row += meta.metadata.row_group(group).num_rows
+    with reading(path, "parquet"):  # a truncated file has no footer: pyarrow raises ArrowInvalid
+        _hash_file(path, digest)
+        meta = pq.ParquetFile(path)
+        _check_column(path, meta.schema_arrow, text_field)
+        row = 0
+        for group in range(meta.num_row_groups):
+            yield Chunk("parquet", str(path), row, group, text_field)
+            row += meta.metadata.row_group(group).num_rows
 
 
 def arrow_chunks(path: Path, digest, text_field: str) -> Iterator[Chunk]:
+    with reading(path, "an Arrow file or stream"):  # (a stream cut short fails at its last batch)
+        yield from _arrow_chunks(path, digest, text_field)
+
+
+def _arrow_chunks(path: Path, digest, text_field: str) -> Iterator[Chunk]:
     import pyarrow as pa
 
     _hash_file(path, digest)

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DataError
+from .errors import DataError, reading
 
 __all__ = ["Chunk", "chunk_texts", "CHUNK_BYTES"]
 
@@ -91,7 +91,8 @@ def _column(chunk: Chunk, values: list[Any]) -> list[str]:
 def _parquet(chunk: Chunk) -> list[str]:
     import pyarrow.parquet as pq
 
-    table = pq.ParquetFile(chunk.path).read_row_group(chunk.payload, columns=[chunk.text_field])
+    with reading(chunk.path, f"parquet (row group {chunk.payload})"):
+        table = pq.ParquetFile(chunk.path).read_row_group(chunk.payload, columns=[chunk.text_field])
     return _column(chunk, table.column(0).to_pylist())
 
 

@@ -16,7 +16,7 @@ import gzip
 import json
 from pathlib import Path
 
-from .errors import DataError
+from .errors import DataError, reading
 
 __all__ = ["sniff", "suffix_kind", "check_kind", "TEXT_SUFFIXES", "JSONL_SUFFIXES", "DATA_SUFFIXES",
            "KIND_NAMES"]
@@ -72,18 +72,17 @@ def _plain_kind(raw: bytes) -> str:
 
 def _decompressed_head(path: Path, codec: str) -> bytes:
     try:
-        if codec == "gz":
-            with gzip.open(path, "rb") as f:
-                return f.read(_SNIFF)
-        import zstandard
+        with reading(path, KIND_NAMES[codec]):  # (a file cut short within the sample, named)
+            if codec == "gz":
+                with gzip.open(path, "rb") as f:
+                    return f.read(_SNIFF)
+            import zstandard
 
-        with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as f:
-            return f.read(_SNIFF)
+            with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as f:
+                return f.read(_SNIFF)
     except ImportError:
         raise DataError(f"{path} is zstd-compressed: reading it needs the 'zstandard' package "
                         f"(pip install zstandard)") from None
-    except (OSError, EOFError, ValueError) as exc:  # zstandard.ZstdError is a ValueError
-        raise DataError(f"{path} looks {codec}-compressed but does not decompress: {exc}") from None
 
 
 def sniff(path: Path) -> str:
@@ -111,7 +110,9 @@ def suffix_kind(path: Path) -> str | None:
 def check_kind(path: Path, want: str | None = None) -> str:
     """The kind of ``path`` (see :func:`sniff`), checked against its name and against
     ``want`` (a family asked for by ``data.format``: text, jsonl, parquet, arrow; None =
-    any). DataError, in one line, when they disagree or the content is not readable."""
+    any). DataError, in one line, when they disagree or the content is not readable. A
+    ``.txt`` file of JSON lines is read as JSON lines with ``want="jsonl"`` and as text with
+    ``want="text"``; by content alone it is refused (which of the two is meant?)."""
     kind = sniff(path)
     said = suffix_kind(path)
     if kind == "empty":  # no documents, whatever the name says
@@ -121,10 +122,12 @@ def check_kind(path: Path, want: str | None = None) -> str:
         asked = f" (data.format={want})" if want else ""
         raise DataError(f"{path}{asked} holds {KIND_NAMES[kind]}: fsdp2d reads UTF-8 text, JSON lines (plain, .gz, "
                         f".zst), parquet and Arrow; convert it to one of those")
+    if want == "text" and kind == "jsonl":  # JSON read as raw text, as data.format=text asks
+        return "text"
     if want is not None and family != want:
         raise DataError(f"{path} is given as {want} (data.format={want}) but holds {KIND_NAMES[kind]}: set "
                         f"data.format=auto (read by content) or {family}")
-    if said is not None and said != kind and not (said == "text" and kind == "jsonl" and want == "text"):
+    if said is not None and said != kind and not (said == "text" and kind == "jsonl" and want == "jsonl"):
         if said == "text" and kind == "jsonl":
             raise DataError(f"{path} holds JSON lines, which data.format=auto would train on as raw JSON text: "
                             f"set data.format=jsonl (one document per line) or data.format=text")

@@ -4,11 +4,15 @@
 **Blend.** Weights are apportioned over a period of :data:`PERIOD` samples (largest
 remainders: source ``s`` gets ``q_s`` of every ``PERIOD``), and the order inside a
 period is the greedy one that always serves the source furthest behind its share (the
-blending of Megatron-LM's ``BlendedDataset``). Every prefix of a run holds each source
-within one sample of ``q_s / PERIOD`` of it, and ``q_s / PERIOD`` is within
+blending of Megatron-LM's ``BlendedDataset``). Sample ``k`` is source ``src[k % PERIOD]``
+and that source's ``(k // PERIOD) q_s + rank[k % PERIOD]``-th sample. Every prefix of ``k``
+samples holds each source within about one sample of ``k q_s / PERIOD`` (the greedy order
+does not bound it by one: at most 1.17 samples, measured over 300 random mixtures of 2-8
+sources; tests/unit/test_data_mixture.py checks 40 of them), and ``q_s / PERIOD`` is within
 ``1 / PERIOD`` of the weight: the realised token shares (every sample is ``seq_len``
-tokens) are within 1% of the weights after about 100 samples. Sample ``k`` is source
-``src[k % PERIOD]`` and that source's ``(k // PERIOD) q_s + rank[k % PERIOD]``-th sample.
+tokens) are within ``1.2 / k + 1 / PERIOD`` of the weights, within 1% after about 120
+samples. The order is part of what a checkpoint's position means: changing it would make
+resumed runs read other samples.
 
 **Order within a source.** A source's ``j``-th sample is sequence ``perm_e[j mod N]`` of
 epoch ``e = j // N`` (``N`` sequences; ``perm_e`` a permutation drawn from (seed, source,
@@ -64,6 +68,13 @@ class Blend:
         """Samples of each source among the first ``k`` of the run."""
         period, o = divmod(int(k), PERIOD)
         return period * self.quota + self.prefix[o]
+
+    def most_in(self, window: int) -> np.ndarray:
+        """Each source's most samples among any ``window`` consecutive samples of the run
+        (the order repeats every PERIOD, so the starts of one period are all there is)."""
+        starts = np.arange(PERIOD)
+        period, o = np.divmod(starts + int(window), PERIOD)
+        return (period[:, None] * self.quota + self.prefix[o] - self.prefix[starts]).max(axis=0)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,9 @@ __all__ = ["pretokenize", "build_store", "specials", "source_key", "is_fresh", "
 
 def specials(tok: Tokenizer, bos: bool | None, eos: bool | None) -> tuple[int | None, int | None]:
     """The (bos_id, eos_id) to put around documents: ``None`` (auto) = the tokenizer's own
-    if it has one; ``True`` needs one (DataError naming the tokenizer otherwise)."""
+    if it has one; ``True`` needs one (DataError naming the tokenizer otherwise). A
+    tokenizer whose BOS and EOS are one token (GPT-2's ``<|endoftext|>``) gets it once per
+    document, as GPT-2 was trained: after it (the EOS), or before it with ``eos=False``."""
     out = []
     for name, want, have in (("bos", bos, tok.bos_id), ("eos", eos, tok.eos_id)):
         if want and have is None:
@@ -51,6 +53,8 @@ def specials(tok: Tokenizer, bos: bool | None, eos: bool | None) -> tuple[int | 
                 f"{tok.name} has no {name.upper()} token (none in tokenizer_config.json, its post-processor or its special tokens)"
             raise DataError(f"data.{name}=true but {what}: set data.{name}=false, or use a tokenizer with one")
         out.append(have if want is not False else None)
+    if out[0] is not None and out[0] == out[1]:  # one separator, not two (document_ids reads it as an EOS)
+        return None, out[1]
     return out[0], out[1]
 
 

@@ -2,12 +2,14 @@
 
 :class:`Tokenizer` wraps either. ``bytes`` maps each UTF-8 byte to its value (vocab 256)
 and has no special tokens. A ``tokenizer.json`` (or a folder holding one) is loaded with
-the ``tokenizers`` package; its BOS and EOS are found, in this order, from a
-``tokenizer_config.json`` beside it (``bos_token`` / ``eos_token``, as transformers reads
-them), from the post-processor's template (a special token before ``$A`` is the BOS, one
-after it the EOS), and from its special added tokens by their usual names
+the ``tokenizers`` package; its BOS and EOS are found, each from the first of these that
+names it: a ``tokenizer_config.json`` beside it (``bos_token`` / ``eos_token``, as
+transformers reads them), the post-processor's template (a special token before ``$A`` is
+the BOS, one after it the EOS), its special added tokens by their usual names
 (``<s>``/``</s>``, ``<|begin_of_text|>``/``<|end_of_text|>``, ``<|endoftext|>``, ...).
-A file that is not a tokenizer is refused in one line.
+Documents are encoded with ``encode_special_tokens``: text that spells a special token is
+text, so only the boundaries the data layer adds are BOS/EOS. A file that is not a
+tokenizer is refused in one line.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 
 from .errors import DataError
 
-__all__ = ["Tokenizer", "load_tokenizer", "find_special_ids"]
+__all__ = ["Tokenizer", "TokenizerRecord", "load_tokenizer", "find_special_ids", "tokenizer_file", "file_sha256"]
 
 BYTES = "bytes"
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "<|im_start|>")
@@ -35,7 +37,7 @@ class Tokenizer:
     """``encode(texts) -> [ids, ...]`` (no special tokens) plus what the data layer needs."""
 
     name: str
-    """``bytes`` or the tokenizer.json path."""
+    """``bytes`` or the tokenizer.json's absolute path."""
     vocab_size: int
     """Ids are < this (added tokens included)."""
     bos_id: int | None
@@ -48,6 +50,42 @@ class Tokenizer:
     def dtype(self) -> np.dtype:
         """The narrowest unsigned dtype that holds every id."""
         return np.dtype("<u1" if self.vocab_size <= 256 else "<u2" if self.vocab_size <= 2**16 else "<u4")
+
+
+@dataclass(frozen=True)
+class TokenizerRecord:
+    """The tokenizer a run's tokens were made with, as its checkpoints record it (for
+    ``fsdp2d generate`` and the HF export): what the data layer used, not what the config
+    says (a token store names its own)."""
+
+    name: str | None
+    """``bytes``, a tokenizer.json's absolute path (as the store's manifest names it, when
+    the file is not there), or None: unknown (flat token files, which name none)."""
+    sha256: str | None = None
+    """The tokenizer file's sha256 (None for ``bytes`` and unknown)."""
+    found: bool = True
+    """The file is there with that sha256 (always for ``bytes``; never for unknown)."""
+
+    @classmethod
+    def of_store(cls, name: str, sha256: str) -> TokenizerRecord:
+        """A store's tokenizer (its manifest's name and sha256): found if the file is there unchanged."""
+        if name == BYTES:
+            return cls(BYTES)
+        path = tokenizer_file(name)
+        found = path.is_file() and file_sha256(path) == sha256
+        return cls(str(path) if found else name, sha256, found)
+
+    def extra(self) -> dict[str, str | None]:
+        """``extra["tokenizer"]`` / ``extra["tokenizer_sha256"]`` of a checkpoint."""
+        return {"tokenizer": self.name, "tokenizer_sha256": self.sha256}
+
+    def __str__(self) -> str:
+        if self.name is None:
+            return "unknown (token files that name none: generate needs --tokenizer, the HF export has none)"
+        if not self.found:
+            return (f"{self.name} (sha256 {self.sha256[:12]}..., the token store's: not found; set data.tokenizer to "
+                    f"it, or the HF export has no tokenizer and generate needs --tokenizer)")
+        return self.name
 
 
 def _token_name(value: Any) -> str | None:
@@ -90,14 +128,22 @@ def _from_template(spec: dict) -> tuple[int | None, int | None] | None:
 
 
 def find_special_ids(path: Path, spec: dict, vocab: dict[str, int]) -> tuple[int | None, int | None]:
-    """(bos_id, eos_id) of a tokenizer.json (see the module docstring); None where it has none."""
-    found = _from_config(path, vocab) or _from_template(spec)
-    if found is not None:
-        return found
+    """(bos_id, eos_id) of a tokenizer.json (see the module docstring); None where it has none.
+
+    Each id is taken from the first place that names it: a template that adds only the BOS
+    (``<s> $A``, Llama's and Mistral's) still gets its EOS from the special tokens' names."""
     specials = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
-    bos = next((specials[n] for n in _BOS_NAMES if n in specials), None)
-    eos = next((specials[n] for n in _EOS_NAMES if n in specials), None)
+    by_name = (next((specials[n] for n in _BOS_NAMES if n in specials), None),
+               next((specials[n] for n in _EOS_NAMES if n in specials), None))
+    found = [(None, None) if f is None else f for f in (_from_config(path, vocab), _from_template(spec))]
+    bos, eos = (next((ids[i] for ids in (*found, by_name) if ids[i] is not None), None) for i in (0, 1))
     return bos, eos
+
+
+def tokenizer_file(spec: str | os.PathLike[str]) -> Path:
+    """The tokenizer.json that ``spec`` names (a folder holding one works too), absolute."""
+    path = Path(spec).expanduser()
+    return (path / "tokenizer.json" if path.is_dir() else path).resolve()
 
 
 def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
@@ -106,9 +152,7 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
     ``tokenizers``."""
     if str(spec) == BYTES:
         return Tokenizer(BYTES, 256, None, None, BYTES, _encode_bytes)
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "tokenizer.json"
+    path = tokenizer_file(spec)
     try:
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError as e:
@@ -123,6 +167,9 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DataError(f"{path} is not a Hugging Face tokenizer.json ({first}): give the tokenizer.json a "
                         f"tokenizers.Tokenizer saved, or 'bytes'") from None
+    # Text that spells a special token ("</s>" quoted in a document, "<|endoftext|>" in web
+    # text) is encoded as text: only the data layer puts BOS/EOS, at document boundaries.
+    tok.encode_special_tokens = True
     vocab = tok.get_vocab(with_added_tokens=True)
     bos, eos = find_special_ids(path, json.loads(tok.to_str()), vocab)
     size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
@@ -131,6 +178,15 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
         return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
     return Tokenizer(str(path), size, bos, eos, hashlib.sha256(raw).hexdigest(), encode)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file's bytes (the key a tokenizer is known by in stores and checkpoints)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _encode_bytes(texts: list[str]) -> list[Any]:

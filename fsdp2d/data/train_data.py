@@ -17,6 +17,7 @@ from .sources import SourceSpec
 from .split import train_prefix_matches
 from .store import TokenStore
 from .stream import TokenStream
+from .tokenizer import TokenizerRecord
 
 __all__ = ["SourceData", "TrainData", "DataStateError"]
 
@@ -42,11 +43,16 @@ class SourceData:
         return [f"{name}:{len(part)}" for name, part in zip(self.store.names(), self.store.parts)]
 
     def state(self, files: int | None = None) -> dict:
+        """What this source's tokens depend on: the files (sha256), the tokenizer, and how
+        the files became tokens (the BOS/EOS ids added, the text field, the format asked)."""
         rows = self.file_rows()
         rows = rows if files is None else rows[:files]
+        made = (self.store.manifest.get("sources") or [{}])[0]
         return {"documents": self.store.documents, "files": len(rows),
                 "files_sha256": hashlib.sha256("\n".join(rows).encode()).hexdigest(),
-                "tokenizer": self.store.manifest.get("tokenizer", {}).get("sha256", "")}
+                "tokenizer": self.store.manifest.get("tokenizer", {}).get("sha256", ""),
+                "bos": self.store.special("bos_id"), "eos": self.store.special("eos_id"),
+                "text_field": made.get("text_field", self.spec.text_field), "format": made.get("format", self.spec.format)}
 
 
 @dataclass
@@ -67,7 +73,8 @@ class TrainData:
     eos_id: int | None
     seed: int = 0
     eval_fraction: float = 0.0
-    tokenizer: str = "bytes"
+    tokenizer: TokenizerRecord = TokenizerRecord("bytes")
+    """What the tokens were made with (checkpoints record it: :meth:`TokenizerRecord.extra`)."""
 
     @property
     def eval_tokens(self) -> TokenStream:
@@ -157,8 +164,14 @@ def _check_same(state: dict, data: TrainData) -> None:
 
 def _check_source(old: dict, s: SourceData, index: int, data: TrainData) -> None:
     name = s.spec.label
-    if old["tokenizer"] != s.state()["tokenizer"]:
+    now = s.state()
+    if old["tokenizer"] != now["tokenizer"]:
         raise DataStateError(f"source {name!r} was tokenized with another tokenizer when the checkpoint was saved: {_FIX}")
+    for key, what in (("bos", "data.bos (the BOS id before each document)"), ("eos", "data.eos (the EOS id after "
+                      "each document)"), ("text_field", "the text_field"), ("format", "the format")):
+        if key in old and old[key] != now[key]:  # (checkpoints of earlier versions do not say)
+            raise DataStateError(f"source {name!r}: {what} was {old[key]!r} when the checkpoint was saved and is "
+                                 f"{now[key]!r} now, so the same files are other tokens: {_FIX}")
     files, docs = int(old["files"]), int(old["documents"])
     if len(s.file_rows()) < files or s.state(files)["files_sha256"] != old["files_sha256"]:
         raise DataStateError(f"source {name!r} changed since the checkpoint other than by new files sorted after its "

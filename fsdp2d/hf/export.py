@@ -14,8 +14,10 @@ index, then each file is assembled, written and freed before the next. An earlie
 in the folder is replaced as a set (``_replace``): a stale index and its shards do not
 stay beside the new weights, and a failed export leaves the previous one whole.
 
-The tokenizer: ``tokenizer=`` (``"bytes"`` or a ``tokenizer.json``), else the one the
-checkpoint records (``extra["tokenizer"]``, saved by ``fsdp2d train``), else none. With one,
+The tokenizer: ``tokenizer=`` (``"bytes"`` or a ``tokenizer.json`` or its folder; ``False``:
+none), else the one the checkpoint records (``extra["tokenizer"]``, saved by ``fsdp2d
+train``; refused in one line when that file is gone or changed since:
+:func:`fsdp2d.hf.tokenizer.recorded_tokenizer`), else none. With one,
 the folder also gets ``tokenizer.json``, ``tokenizer_config.json`` and
 ``special_tokens_map.json`` (:mod:`fsdp2d.hf.tokenizer`), and ``config.json`` /
 ``generation_config.json`` carry its ``bos_token_id`` / ``eos_token_id``.
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as st_save
 
-from .tokenizer import tokenizer_files
+from .tokenizer import recorded_tokenizer, tokenizer_files
 from .weights import HFError, Rule, args_from_spec, hf_config, hf_rule
 from ..placement import Box
 from ..checkpoint._files import Folder
@@ -88,22 +90,24 @@ def _plan(index: dict, groups: dict, max_shard_bytes: int) -> list[list[str]]:
 
 
 def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, spec: dict | None = None,
-              max_shard_bytes: int = 5 * 2**30, tokenizer: str | None = None) -> list[Path]:
+              max_shard_bytes: int = 5 * 2**30, tokenizer: str | bool | None = None) -> list[Path]:
     """Write checkpoint ``ckpt`` (saved on any mesh) as a Hugging Face folder ``out``.
 
     ``spec`` (``{"arch", "args"}``, see :func:`fsdp2d.hf.weights.model_spec`) defaults to
     the checkpoint's ``extra["model"]``; ``tokenizer`` to the checkpoint's
     ``extra["tokenizer"]`` (see the module doc). Offline, one process. Returns the files
     written. Raises :class:`~fsdp2d.hf.weights.HFError` when the architecture is unknown, a
-    tensor has no HF name, or the tokenizer cannot be read or has more ids than the model.
+    tensor has no HF name, or the tokenizer cannot be read, is not the one recorded, or has
+    more ids than the model.
     """
     with Folder(ckpt) as folder:
         return _export_hf(folder, Path(out), spec, max_shard_bytes, tokenizer)
 
 
-def _tokenizer(folder: Folder, tokenizer: str | None, args) -> tuple[dict[str, bytes], dict]:
+def _tokenizer(folder: Folder, tokenizer: str | bool | None, args) -> tuple[dict[str, bytes], dict]:
     """The tokenizer files to write and its special ids ({} and {} without a tokenizer)."""
-    tokenizer = tokenizer or folder.index.get("extra", {}).get("tokenizer")
+    if tokenizer is None:
+        tokenizer = recorded_tokenizer(folder.index, folder.path)
     if not tokenizer:
         return {}, {}
     vocab = args.vocab_size
@@ -113,7 +117,8 @@ def _tokenizer(folder: Folder, tokenizer: str | None, args) -> tuple[dict[str, b
 
         size = Tokenizer.from_str(files["tokenizer.json"].decode()).get_vocab_size(with_added_tokens=True)
     except Exception as exc:  # tokenizers raises a bare Exception for a damaged file
-        raise HFError(f"tokenizer {tokenizer}: cannot be read ({exc}); export with tokenizer=None to skip it") from exc
+        raise HFError(f"tokenizer {tokenizer}: cannot be read ({exc}); give another (--tokenizer) or none "
+                      f"(--no-tokenizer, tokenizer=False)") from exc
     if size > vocab:
         raise HFError(f"tokenizer {tokenizer} has {size} ids, the model's vocabulary {vocab}: not this model's")
     return files, special

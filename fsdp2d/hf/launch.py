@@ -5,13 +5,12 @@ loaded, before validation) copies the HF architecture into ``[model]`` so the us
 checks (TP degree divides the heads, ``seq_len <= max_seq_len``...) see the real model;
 the trainer then loads the weights shard by shard (:func:`fsdp2d.hf.load_hf_into`)
 instead of initialising them. ``checkpoint.export_hf``: rank 0 writes the last
-checkpoint as an HF folder ``RUN/hf`` that ``transformers`` loads, with the tokenizer
-:func:`run_tokenizer` names (each checkpoint records it).
+checkpoint as an HF folder ``RUN/hf`` that ``transformers`` loads, with the tokenizer the
+data layer made the tokens with (each checkpoint records it:
+:class:`fsdp2d.data.tokenizer.TokenizerRecord`).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from ..train.config import JobConfig, read_init_from
 
@@ -32,11 +31,3 @@ def apply_init_from(cfg: JobConfig) -> JobConfig:
         m.vocab_size, m.norm_eps, m.max_seq_len = a.vocab_size, a.layer_norm_eps, a.block_size
     return cfg
 
-
-def run_tokenizer(cfg: JobConfig) -> str | None:
-    """The run's tokenizer as checkpoints record it: ``"bytes"``, an absolute
-    ``tokenizer.json`` path, or None (token files whose tokenizer the config does not name)."""
-    d = cfg.data
-    if d.tokenizer == "bytes":
-        return "bytes" if d.format == "text" else None
-    return str(Path(d.tokenizer).expanduser().resolve())

@@ -20,7 +20,9 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["special_tokens", "tokenizer_files", "byte_tokenizer"]
+from .config import HFError
+
+__all__ = ["special_tokens", "tokenizer_files", "byte_tokenizer", "recorded_tokenizer"]
 
 
 def byte_tokenizer():
@@ -49,8 +51,8 @@ def special_tokens(path: str | os.PathLike) -> dict[str, str | int | None]:
 
     from fsdp2d.data.tokenizer import load_tokenizer
 
-    ids = load_tokenizer(path)
-    tok = Tokenizer.from_file(str(path))
+    ids = load_tokenizer(path)  # (a folder: its tokenizer.json)
+    tok = Tokenizer.from_file(ids.name)
     out: dict[str, str | int | None] = {}
     for role, token_id in (("bos", ids.bos_id), ("eos", ids.eos_id)):
         out[f"{role}_token"], out[f"{role}_token_id"] = (tok.id_to_token(token_id), token_id) \
@@ -60,12 +62,14 @@ def special_tokens(path: str | os.PathLike) -> dict[str, str | int | None]:
 
 def tokenizer_files(tokenizer: str, max_len: int) -> tuple[dict[str, bytes], dict]:
     """The tokenizer files of an HF folder, ``{name: content}``, and :func:`special_tokens`'
-    dict. ``tokenizer``: ``"bytes"`` or a ``tokenizer.json`` path."""
+    dict. ``tokenizer``: ``"bytes"`` or a ``tokenizer.json`` (or its folder)."""
+    from fsdp2d.data.tokenizer import tokenizer_file
+
     if tokenizer == "bytes":
         files = {"tokenizer.json": byte_tokenizer().to_str().encode()}
         special: dict = {"bos_token": None, "bos_token_id": None, "eos_token": None, "eos_token_id": None}
     else:
-        files = {"tokenizer.json": Path(tokenizer).read_bytes()}
+        files = {"tokenizer.json": tokenizer_file(tokenizer).read_bytes()}
         special = special_tokens(tokenizer)
     named = {k: special[k] for k in ("bos_token", "eos_token") if special[k] is not None}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
@@ -73,3 +77,27 @@ def tokenizer_files(tokenizer: str, max_len: int) -> tuple[dict[str, bytes], dic
     files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
     files["special_tokens_map.json"] = (json.dumps(named, indent=2) + "\n").encode()
     return files, special
+
+
+def recorded_tokenizer(index: dict, ckpt: str | os.PathLike) -> str | None:
+    """The tokenizer checkpoint ``ckpt`` records (``extra["tokenizer"]``, written by
+    ``fsdp2d train``): ``"bytes"``, or the recorded tokenizer.json when it is still there,
+    unchanged (its ``extra["tokenizer_sha256"]``); None when the checkpoint records none or
+    records that the run's tokens named none (``extra["tokenizer"] = None``). HFError, one
+    line naming the file and ``--tokenizer``, when the recorded file is gone or changed:
+    the tokenizer is never guessed."""
+    from fsdp2d.data.tokenizer import file_sha256
+
+    extra = index.get("extra", {})
+    name, sha = extra.get("tokenizer"), extra.get("tokenizer_sha256")
+    if name is None or name == "bytes":
+        return name
+    path = Path(name)
+    if not path.is_file():
+        what = f" (sha256 {sha})" if sha else ""
+        raise HFError(f"{ckpt} was trained with the tokenizer {name}{what}, which is not there: pass --tokenizer "
+                      f"PATH (that tokenizer.json, or its folder)")
+    if sha and file_sha256(path) != sha:
+        raise HFError(f"{ckpt} was trained with the tokenizer {name} (sha256 {sha}), which has changed since: pass "
+                      f"--tokenizer PATH (the tokenizer.json the run used)")
+    return name

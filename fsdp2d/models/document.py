@@ -36,10 +36,14 @@ def document_ids(tokens: torch.Tensor, *, eos_id: int | None = None, bos_id: int
     An EOS token belongs to the document it closes (ids increase *after* it); a BOS token
     opens a new document (ids increase *at* it); with both, ``... x EOS BOS y ...`` is one
     boundary, between EOS and BOS. A BOS or EOS at the row's edge opens or closes nothing
-    more (each row starts a document). ``ValueError`` when neither id is given.
+    more (each row starts a document). One token as both (``bos_id == eos_id``, GPT-2's
+    ``<|endoftext|>``, which the data layer puts once, after each document) is an EOS: it
+    closes its document. ``ValueError`` when neither id is given.
     """
     if eos_id is None and bos_id is None:
         raise ValueError("document_ids: give eos_id, bos_id or both (the tokens that close or open a document)")
+    if bos_id == eos_id:
+        bos_id = None
     starts = torch.zeros_like(tokens, dtype=torch.bool)  # (B, T): token t opens a document
     if eos_id is not None:
         starts[:, 1:] |= tokens[:, :-1] == eos_id

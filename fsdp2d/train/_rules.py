@@ -137,7 +137,10 @@ def check_model(cfg: "JobConfig", errors: list[str]) -> None:
     if m.name == "gpt2" and cfg.data.document_mask:
         errors.append("data.document_mask=true: gpt2's learned positions cannot restart per document "
                       "(fsdp2d's GPT2 refuses document_ids); use model.name='llama' or data.document_mask=false")
-    raw = cfg.data.format not in ("tokens", "uint16", "uint32") or cfg.data.sources
+    # Only a format that is surely raw text: with "auto" the path may be a token store of any
+    # vocabulary (the data layer checks the tokenizer it actually uses, before anything is built).
+    raw = any((s.format or cfg.data.format) in ("text", "jsonl", "parquet", "arrow") for s in cfg.data.sources) \
+        if cfg.data.sources else cfg.data.format in ("text", "jsonl", "parquet", "arrow")
     if raw and cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
         errors.append(f"model.vocab_size={m.vocab_size} is too small for the byte tokenizer: "
                       f"set it to 256 or more")

@@ -6,7 +6,8 @@
 many nodes, e.g. inside a SLURM allocation) it uses their environment. After a torchrun
 restart (``--max-restarts``) it resumes from the latest checkpoint that verifies.
 Mistakes found before the run starts (config, device, run folder, data: see
-``preflight``) are one line on stderr and exit code 2, with nothing written. Failures in
+``preflight``) are one line on stderr and exit code 2, with nothing written but the token
+cache of raw sources tokenized before the refusal (reused by the next start). Failures in
 the workers end the same way, never with torchrun's report: one line, exit code 2 (1 for
 an unexpected exception), the traceback in ``RUN/logs/`` (see :mod:`fsdp2d.train.failure`).
 Start-up prints a line per phase, timed from the command (``[+3.2s] mesh ...``).
@@ -89,9 +90,23 @@ def _child_env(cfg: JobConfig, nproc: int, t0: float) -> dict[str, str]:
     """The environment of the launched torchrun and its workers."""
     env = dict(os.environ, **{LAUNCHER_ENV: "1", RUN_DIR_ENV: str(Path(cfg.run_dir).resolve()), T0_ENV: repr(t0)})
     env["PYTHONSAFEPATH"] = "1"  # no current directory on sys.path: a folder named fsdp2d there cannot hide us
+    _import_this_fsdp2d(env)
     if nproc > 1:  # torchrun's own default, set here so that it does not print a banner about it
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def _import_this_fsdp2d(env: dict[str, str]) -> None:
+    """Make the workers import the fsdp2d this launcher runs. Without the current directory
+    on their path, a checkout run as ``python -m fsdp2d.train`` from its root (fsdp2d not
+    installed, or another copy installed) would not be found, or another copy would be: then
+    this package's parent folder goes first on ``PYTHONPATH``. Asked of a fresh interpreter
+    with the workers' environment (import machinery only: nothing is imported)."""
+    here = Path(__file__).resolve().parents[1] / "__init__.py"
+    probe = "import importlib.util as u; s = u.find_spec('fsdp2d'); print(s.origin if s else '')"
+    found = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout.strip()
+    if not found or Path(found).resolve() != here:
+        env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), *filter(None, [env.get("PYTHONPATH")])])
 
 
 def _worker(cfg: JobConfig) -> int:

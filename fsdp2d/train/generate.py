@@ -2,11 +2,14 @@
 
 The checkpoint (saved on any mesh) is read into an unparallelized fsdp2d model built
 from its ``extra["model"]`` spec (written by the launcher). The tokenizer, unless
-``--tokenizer`` names one, is the run's, found from any directory: the absolute path the
-checkpoint records (``extra["tokenizer"]``), else ``data.tokenizer`` of ``RUN/config.toml``
-(next to ``RUN/checkpoints/``), which a relative path is read against the folder the run
-was started from (the run folder less ``metrics.runs_dir/run_name``), then against the
-current one. Sampling: temperature (0 = greedy) and top-k, seeded. No KV cache: each new
+``--tokenizer`` names one (a tokenizer.json or its folder, or ``bytes``), is the run's,
+found from any directory: the one the checkpoint records (``extra["tokenizer"]``: what the
+run's tokens were made with, an absolute path, checked against its sha256; a file gone or
+changed, or tokens that named no tokenizer, are refused in one line, never guessed), else,
+for checkpoints of earlier versions, ``data.tokenizer`` of ``RUN/config.toml`` (next to
+``RUN/checkpoints/``), which a relative path is read against the folder the run was
+started from (the run folder less ``metrics.runs_dir/run_name``), then against the
+current one (``bytes`` when nothing names one). Sampling: temperature (0 = greedy) and top-k, seeded. No KV cache: each new
 token re-runs the (short) context, which is plenty for small models.
 
 On CPU, with ``OMP_NUM_THREADS`` unset, torch gets one thread per core this process may
@@ -29,6 +32,8 @@ import torch
 
 from fsdp2d import checkpoint
 from fsdp2d.models import GPT2, Llama
+from fsdp2d.data.tokenizer import file_sha256, tokenizer_file
+from fsdp2d.hf.tokenizer import recorded_tokenizer
 from fsdp2d.hf.weights import HFError, args_from_spec
 
 __all__ = ["load_model", "sample", "find_tokenizer", "cpu_threads", "main"]
@@ -82,26 +87,51 @@ def cpu_threads() -> int:
     return max(1, min(cores, int(idle + 0.5)))
 
 
-def find_tokenizer(ckpt: Path, index: dict | None = None) -> str:
-    """The run's tokenizer for checkpoint ``ckpt``: ``"bytes"`` or an existing file path
-    (module doc); ValueError naming the places tried when the recorded file is gone."""
-    recorded = (index or {}).get("extra", {}).get("tokenizer")
-    if recorded == "bytes" or (recorded and Path(recorded).is_file()):
-        return recorded
+def _config_candidates(ckpt: Path) -> list[Path] | None:
+    """Where ``data.tokenizer`` of the run's config.toml may be (None: it says ``bytes``)."""
     run = ckpt.resolve().parent.parent
     config = tomllib.loads((run / "config.toml").read_text()) if (run / "config.toml").is_file() else {}
     name = config.get("data", {}).get("tokenizer", "bytes")
     if name == "bytes":
-        return name
+        return None
     tried = [Path(name).expanduser()]
     runs_dir = Path(config.get("metrics", {}).get("runs_dir", "runs"))
     if not tried[0].is_absolute() and not runs_dir.is_absolute() and len(runs_dir.parts) < len(run.parents):
         tried.insert(0, run.parents[len(runs_dir.parts)] / name)  # the folder the run was started in
-    found = next((p for p in tried if p.is_file()), None)
-    if found is None:
-        where = " or ".join(str(p) for p in ([Path(recorded)] if recorded else []) + tried)
-        raise ValueError(f"the run's tokenizer is not at {where}: pass --tokenizer PATH")
-    return str(found)
+    return tried
+
+
+def find_tokenizer(ckpt: Path, index: dict | None = None) -> str:
+    """The run's tokenizer for checkpoint ``ckpt``: ``"bytes"`` or an existing file path
+    (module doc). ValueError, one line naming the places tried and ``--tokenizer``, when
+    the recorded file is gone (and not found, with its sha256, where config.toml names it)
+    or changed, when the run's tokens named no tokenizer, or when config.toml's is not found."""
+    extra = (index or {}).get("extra", {})
+    if "tokenizer" not in extra:  # a checkpoint of an earlier version, or of one's own script
+        tried = _config_candidates(ckpt)
+        if tried is None:  # nothing names one: the byte tokenizer
+            return "bytes"
+        found = next((p for p in tried if p.exists()), None)
+        if found is None:
+            raise ValueError(f"the run's tokenizer is not at {' or '.join(map(str, tried))}: pass --tokenizer PATH")
+        return str(tokenizer_file(found))
+    if extra["tokenizer"] is None:
+        raise ValueError(f"{ckpt} was trained on token files that name no tokenizer: pass --tokenizer PATH "
+                         f"(the tokenizer.json they were made with, or 'bytes')")
+    try:
+        return recorded_tokenizer(index, ckpt)  # what the tokens were made with, checked by its sha256
+    except HFError as exc:
+        gone = exc
+    name, sha = Path(extra["tokenizer"]), extra.get("tokenizer_sha256")
+    tried = [p for p in _config_candidates(ckpt) or [] if tokenizer_file(p) != name.resolve()]
+    for p in tried:  # the project moved: the relative data.tokenizer, if it is the same file
+        if p.exists() and (not sha or file_sha256(tokenizer_file(p)) == sha):
+            return str(tokenizer_file(p))
+    if name.is_file() or not tried:
+        raise ValueError(str(gone)) from None
+    with_sha = f" (sha256 {sha})" if sha else ""
+    raise ValueError(f"the run's tokenizer{with_sha} is not at {' or '.join(map(str, [name, *tried]))}: "
+                     f"pass --tokenizer PATH") from None
 
 
 def _codec(ckpt: Path, tokenizer: str | None):
@@ -112,7 +142,7 @@ def _codec(ckpt: Path, tokenizer: str | None):
         return (lambda s: list(s.encode())), (lambda ids: bytes(i % 256 for i in ids).decode(errors="replace"))
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(tokenizer)
+    tok = Tokenizer.from_file(str(tokenizer_file(tokenizer)))  # (a folder: its tokenizer.json)
     return (lambda s: tok.encode(s, add_special_tokens=False).ids), tok.decode
 
 
@@ -142,7 +172,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", default=None, help="'bytes' or a tokenizer.json (default: the run's)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="'bytes' or a tokenizer.json or its folder (default: the run's, as the checkpoint records it)")
     args = parser.parse_args(argv)
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--top-k", args.top_k),
                         ("--temperature", args.temperature)):

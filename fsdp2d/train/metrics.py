@@ -4,11 +4,12 @@ start-up progress lines.
 Only rank 0 writes. Each logged step is one JSON object with at least ``step``, ``loss``,
 ``lr``, ``grad_norm``, ``tokens_per_s`` (the whole job), ``tokens_per_s_per_gpu`` (per
 rank: the job's rate over the world size, as ``fsdp2d plan`` reports it),
-``tokens_seen`` (``step * global_batch * seq_len``) and ``peak_mem_mib``, and ``mfu``
+``tokens_seen`` (samples consumed by all ranks x ``seq_len``: ``step * global_batch *
+seq_len`` until a resume changes ``global_batch``) and ``peak_mem_mib``, and ``mfu``
 where the device's peak is known; evaluation adds ``eval_loss``; on CUDA
-``max_mem_reserved_mib`` and ``num_alloc_retries`` come too (:func:`allocator_metrics`). Loss and gradient norm
-are the logged step's; throughput, ``step_time_s`` and MFU are the mean over the steps
-since the previous logged (or checkpointed) step, the only steps at which the trainer
+``max_mem_reserved_mib`` and ``num_alloc_retries`` come too (:func:`allocator_metrics`).
+Loss and gradient norm are the logged step's; throughput, ``step_time_s`` and MFU are the
+mean over the steps since the previous logged (or checkpointed) step, the only steps at which the trainer
 reads device values (see :mod:`fsdp2d.train.trainer`). MFU = achieved model FLOP/s per
 device (6 N + 12 L H d_head T per token, the model's ``flops_per_token``, times
 ``tokens_per_s_per_gpu``) over the device's dense bf16 peak: ``metrics.peak_flops`` when

@@ -9,14 +9,15 @@ rank stops together, before any rank writes. What is checked:
 * ``parallel.device=cuda`` needs CUDA;
 * a run without resume refuses a run folder that holds an earlier run (its rotation
   would sort both runs' checkpoints by step and delete the new one): ``--resume``, a
-  new ``metrics.run_name``, or ``--overwrite`` (which deletes the earlier run's config,
-  metrics and checkpoints, and nothing else);
+  new ``metrics.run_name``, or ``--overwrite`` (which deletes the earlier run's files that
+  a new run would add to: :func:`clear_earlier_run`);
 * the data (:func:`prepare_data`): every source exists and is what it says, raw sources
   are tokenized once into the cache, ``model.vocab_size`` covers the tokenizer and every
   token id in the memory maps (the launcher checks this before torchrun starts and tells
-  the ranks so through :data:`DATA_CHECKED`; under an outside torchrun rank 0 checks it
-  and the ranks agree); each source holds a sequence, and the eval split one per source when
-  the run evaluates.
+  the ranks so through :data:`DATA_CHECKED`; under an outside torchrun each rank scans
+  1/world of every store and the ranks agree, so the collective waits for no long scan);
+  each source holds its part of a global micro-batch, and the eval split a sequence per
+  source when the run evaluates.
 * a resumed run has steps left to train (``check_steps_left``, after the checkpoint loaded).
 """
 
@@ -70,11 +71,19 @@ def check_run_folder(cfg: JobConfig) -> None:
 
 
 def clear_earlier_run(cfg: JobConfig) -> None:
-    """(``--overwrite``, rank 0.) Delete the earlier run's files that fsdp2d writes."""
+    """(``--overwrite``, rank 0.) Delete the earlier run's files that fsdp2d writes and a new
+    run would add to (its config, metrics, sample log, loss plot, TensorBoard events,
+    checkpoints and HF export), nothing else: its logs stay, and its token cache, which is
+    keyed by content, is reused."""
     from fsdp2d.checkpoint import CheckpointManager
+    from fsdp2d.checkpoint._replace import remove_export
 
-    for name in ("config.toml", "metrics.jsonl"):
-        (cfg.run_dir / name).unlink(missing_ok=True)
+    run = cfg.run_dir
+    for name in ("config.toml", "metrics.jsonl", "samples.jsonl", "loss.png"):
+        (run / name).unlink(missing_ok=True)
+    for events in (run / "tensorboard").glob("events.out.tfevents.*"):  # else TensorBoard draws both runs as one
+        events.unlink()
+    remove_export(run / "hf")
     manager = CheckpointManager(cfg.checkpoint_dir)
     for step in manager.steps():
         manager.remove(step)
@@ -91,9 +100,11 @@ def prepare_data(cfg: JobConfig, *, progress: bool = True) -> Prepared:
     """Sources resolved and tokenized (once), vocabulary and ids checked: ConfigError
     (one line) for anything that would otherwise surface mid-run."""
     try:
-        scan = os.environ.get(DATA_CHECKED) != "1" and os.environ.get("RANK", "0") == "0"  # one scan per job
-        return _prepare(cfg, progress=progress, scan=scan)
-    except (DataError, FileNotFoundError, ImportError) as exc:
+        scan = os.environ.get(DATA_CHECKED) != "1"  # the launcher scanned already
+        worker = "LOCAL_RANK" in os.environ  # a torchrun worker: each rank scans its 1/world of every store
+        shard = (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))) if worker else (0, 1)
+        return _prepare(cfg, progress=progress, scan=scan, shard=shard)
+    except (DataError, OSError, ImportError) as exc:  # (an unreadable file: the OS's message names it)
         raise ConfigError(str(exc)) from None
 
 

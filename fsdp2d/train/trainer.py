@@ -38,7 +38,6 @@ from torch.utils.checkpoint import checkpoint as recompute
 import fsdp2d
 from fsdp2d import checkpoint as ckpt
 from fsdp2d.hf.export import export_hf
-from fsdp2d.hf.launch import run_tokenizer
 from fsdp2d.hf.weights import load_hf_into
 from fsdp2d.models import GPT2, Llama, document_ids, gpt2_tp_plan, llama_tp_plan
 from fsdp2d.mesh import axis_size
@@ -319,8 +318,7 @@ class Trainer:
     def save(self) -> None:
         extra = {"step": self.step, "data": self.data.state_dict(), "rng": _rng_state(),
                  "model": model_spec(self.model)}  # lets `export --format hf` write config.json
-        if (tokenizer := run_tokenizer(self.cfg)) is not None:  # for `generate` and the HF export, from anywhere
-            extra["tokenizer"] = tokenizer
+        extra.update(self.data.tokenizer.extra())  # what the tokens were made with: for `generate` and the HF export
         self.ckpts.save(self.step, self.model, self.opt, extra=extra)
 
     # -- one step ------------------------------------------------------------------------
@@ -436,7 +434,7 @@ class Trainer:
         hf = None
         if cfg.checkpoint.export_hf and self.rank == 0 and (last := self.ckpts.latest()) is not None:
             hf = cfg.run_dir / "hf"
-            export_hf(last, hf)  # what transformers (and vLLM) load
+            export_hf(last, hf, tokenizer=None if self.data.tokenizer.found else False)  # what transformers loads
         if self.rank == 0:
             print(self._end_line(hf), flush=True)
         self.close()

@@ -183,3 +183,66 @@ def test_old_pretokenize_output_is_refused_and_flat_files_still_load(tmp_path):
     for path in (old, old / "tokens.bin"):
         flat = load_tokens(load_config(None, [f"--data.path={path}", "--data.format=uint16"]).data)
         assert flat.read(0, 100).tolist() == list(range(100))
+
+
+def _gpt2_like(folder, config: bool = True):
+    """GPT-2's shape: one special token, <|endoftext|>, which transformers' save_pretrained
+    writes into tokenizer_config.json as both bos_token and eos_token."""
+    path = bpe(folder, specials=("<|endoftext|>",))
+    if config:
+        (folder / "tokenizer_config.json").write_text('{"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}')
+    return path
+
+
+def test_one_token_as_bos_and_eos_separates_each_document_once(tmp_path):
+    """Review of issue 29: with BOS = EOS (GPT-2) every document got it twice, [E a b E E c d E],
+    and document_ids read [0, 1, 1, 2, 3, 4, 4, 5]: one-token documents between the pair. Now
+    one separator after each document (as GPT-2 was trained), and document_ids with
+    bos_id == eos_id reads it as an EOS: two documents. data.bos=true is satisfied by it."""
+    tok = _gpt2_like(tmp_path / "gpt2")
+    t = load_tokenizer(tok)
+    assert t.bos_id == t.eos_id == 0
+    (tmp_path / "c").mkdir()
+    for i, text in enumerate(("hello world", "the fox")):
+        (tmp_path / "c" / f"{i}.txt").write_text(text)
+    pretokenize(tmp_path / "c", tmp_path / "out", tok, workers=0, progress=False)
+    store = open_store(tmp_path / "out")
+    tokens = np.asarray(store.parts[0]).astype(np.int64)
+    body = [t.encode([x])[0] for x in ("hello world", "the fox")]
+    assert tokens.tolist() == [*body[0], 0, *body[1], 0]
+    assert document_ids(torch.from_numpy(tokens)[None], eos_id=0, bos_id=0).tolist() == \
+        [[0] * (len(body[0]) + 1) + [1] * (len(body[1]) + 1)]
+    for extra in ("--data.bos=true", "--data.eos=true"):
+        stream = load_tokens(_cfg(tmp_path / "c", tok, extra))
+        assert stream.read(0, len(stream)).tolist() == tokens.tolist()
+    stream = load_tokens(_cfg(tmp_path / "c", tok, "--data.eos=false"))  # then before each document
+    assert stream.read(0, len(stream)).tolist() == [0, *body[0], 0, *body[1]]
+
+
+def test_special_token_text_inside_a_document_is_text(tmp_path, tok):
+    """Review of issue 29: a document quoting "</s>" (web text often holds "<|endoftext|>")
+    got a real EOS id mid-document, a false boundary. Only the data layer's BOS/EOS are special."""
+    from fsdp2d.data.encode import encode_documents
+
+    t = load_tokenizer(tok)
+    tokens, lengths = encode_documents(["a doc that quotes </s> and <s> in its text"], t, t.bos_id, t.eos_id)
+    assert tokens[0] == t.bos_id and tokens[-1] == t.eos_id and lengths.tolist() == [len(tokens)]
+    assert t.bos_id not in tokens[1:-1].tolist() and t.eos_id not in tokens[1:-1].tolist()
+    assert tokenizers.Tokenizer.from_file(str(tok)).decode(tokens[1:-1].tolist()) == \
+        "a doc that quotes </s> and <s> in its text"
+
+
+def test_a_template_that_adds_only_bos_still_finds_the_eos(tmp_path):
+    """Review of issue 29: Llama's and Mistral's tokenizer.json (no tokenizer_config.json)
+    has the template "<s> $A" and </s> among its special tokens; the EOS was None, so
+    documents were never closed. Each id now comes from the first place that names it."""
+    import json
+
+    path = bpe(tmp_path / "llama")
+    spec = json.loads(path.read_text())
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                                                       {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [], "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}}
+    path.write_text(json.dumps(spec))
+    t = load_tokenizer(path)
+    assert (t.bos_id, t.eos_id) == (0, 1)

@@ -25,7 +25,8 @@ def test_export_over_an_earlier_sharded_export(tmp_path):
     (out / "tokenizer.json").write_text("{}")  # the user's files beside the model stay
     export_hf(_ckpt(new, tmp_path / "c2"), out)
     left = sorted(p.name for p in out.iterdir())
-    assert left == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"], left
+    assert left == [".fsdp2d-export.json", "config.json", "generation_config.json", "model.safetensors",
+                    "tokenizer.json"], left
     assert torch.equal(logits(from_hf(out)), logits(new))
 
 
@@ -114,9 +115,28 @@ def test_fsdp2d_export_over_an_earlier_one(tmp_path):
     export(_ckpt(old, tmp_path / "c1"), out, max_shard_bytes=8_000)
     assert (out / "model.safetensors.index.json").is_file()
     export(_ckpt(new, tmp_path / "c2"), out)
-    assert sorted(p.name for p in out.iterdir()) == ["fsdp2d.index.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".fsdp2d-export.json", "fsdp2d.index.json", "model.safetensors"]
     loaded = llama(seed=3)
     checkpoint.load(out, loaded)
     assert torch.equal(logits(loaded), logits(new))
     with pytest.raises(CheckpointError, match="checkpoint being exported"):
         export(tmp_path / "c2", tmp_path / "c2")
+
+
+def test_an_export_without_a_tokenizer_removes_the_earlier_exports_tokenizer(tmp_path):
+    """Review of issue 29: an export without a tokenizer over one with kept the old
+    tokenizer files beside the new weights (AutoTokenizer then loaded another run's). Each
+    export lists the names it wrote (.fsdp2d-export.json); the next one replaces them all,
+    and leaves the user's own files (a README, a tokenizer put there by hand) alone."""
+    from .data_corpus import bpe
+
+    tok = bpe(tmp_path / "tok")
+    model, out = llama(seed=1, vocab_size=300), tmp_path / "out"
+    checkpoint.save(tmp_path / "c1", model, extra={"model": model_spec(model), "tokenizer": str(tok)})
+    export_hf(tmp_path / "c1", out)
+    assert (out / "tokenizer.json").is_file() and (out / "special_tokens_map.json").is_file()
+    (out / "README.md").write_text("mine")
+    export_hf(_ckpt(llama(seed=2, vocab_size=300), tmp_path / "c2"), out)
+    assert sorted(p.name for p in out.iterdir()) == [".fsdp2d-export.json", "README.md", "config.json",
+                                                      "generation_config.json", "model.safetensors"]
+    assert "bos_token_id" not in (out / "config.json").read_text()

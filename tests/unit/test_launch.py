@@ -144,6 +144,26 @@ def test_a_refused_start_leaves_no_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_overwrite_clears_what_a_new_run_would_add_to(tmp_path):
+    """Review of issue 29: --overwrite kept the earlier run's samples.jsonl, and the new run
+    appended after it (TensorBoard events and the HF export alike). They go; the user's
+    files, the logs and the token cache stay."""
+    from fsdp2d.train import preflight
+    from fsdp2d.train.config import load_config
+
+    cfg = load_config(None, [f"--metrics.runs_dir={tmp_path}", "--metrics.run_name=ow", "--data.log_samples=true"])
+    run = cfg.run_dir
+    for name in ("config.toml", "metrics.jsonl", "samples.jsonl", "loss.png", "notes.md", "logs/rank0.log",
+                 "tensorboard/events.out.tfevents.1.host", "tokens/web-abc/tokens.bin", "hf/model.safetensors",
+                 "hf/config.json", "hf/tokenizer.json", "hf/README.md"):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("{}\n")
+    (run / "hf" / ".fsdp2d-export.json").write_text('["config.json", "model.safetensors", "tokenizer.json"]')
+    preflight.clear_earlier_run(cfg)
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
+    assert left == ["hf/README.md", "logs/rank0.log", "notes.md", "tokens/web-abc/tokens.bin"], left
+
+
 # -- the clone's folder that hides the package ----------------------------------------------------
 def test_a_folder_named_fsdp2d_in_the_working_directory_is_named(tmp_path):
     """Issue 32: run from the folder holding a clone named fsdp2d, `python -m fsdp2d.train`
@@ -159,6 +179,25 @@ def test_a_folder_named_fsdp2d_in_the_working_directory_is_named(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc
     assert proc.stderr.count("\n") == 1 and f"the folder {clone} (in the current directory) hides" in proc.stderr
+
+
+def test_the_workers_import_the_fsdp2d_the_launcher_runs(tmp_path):
+    """Review of issue 29: the launcher starts the workers with PYTHONSAFEPATH=1 (no current
+    directory on their path), so `python -m fsdp2d.train` from a checkout's root ran that
+    checkout in the launcher and the installed copy (or none: ModuleNotFoundError on every
+    rank) in the workers. The checkout's folder now goes on their PYTHONPATH."""
+    import shutil
+
+    shutil.copytree(ROOT / "fsdp2d", tmp_path / "fsdp2d", ignore=shutil.ignore_patterns("__pycache__"))
+    probe = ("import subprocess, sys, fsdp2d; from fsdp2d.train.cli import _child_env; "
+             "from fsdp2d.train.config import load_config; env = _child_env(load_config(None, []), 1, 0.0); "
+             "print(fsdp2d.__file__); sys.stdout.flush(); "
+             "subprocess.run([sys.executable, '-c', 'import fsdp2d; print(fsdp2d.__file__)'], env=env)")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    want = str(tmp_path / "fsdp2d" / "__init__.py")
+    assert out.stdout.splitlines() == [want, want], out
 
 
 # -- fsdp2d plot ---------------------------------------------------------------------------------

@@ -73,6 +73,15 @@ def test_missing_data_path(launches, capsys, tmp_path):
     _one_line_error(capsys, code, "does not exist")
 
 
+def test_an_empty_corpus_is_refused_before_torchrun(launches, capsys, tmp_path):
+    """(It reached the workers before issue 29; tests/test_launch_errors.py runs a corpus
+    only the workers refuse.) Nothing is written."""
+    (tmp_path / "empty.txt").write_text("")
+    code = cli.train(["--config", CONFIG, f"--data.path={tmp_path / 'empty.txt'}", f"--metrics.runs_dir={tmp_path}"])
+    _one_line_error(capsys, code, "empty.txt holds no documents (only empty files)")
+    assert not launches and [p.name for p in tmp_path.iterdir()] == ["empty.txt"]
+
+
 def test_help_lists_the_subcommands(capsys):
     """Issue 21 item 14: ``fsdp2d --help`` exited 2 with one usage line."""
     assert cli.main(["--help"]) == 0 and cli.main(["-h"]) == 0

@@ -127,7 +127,7 @@ def _cfg(*overrides: str) -> JobConfig:
      "must be divisible by parallel.tp=4 under sequence_parallel"),
     (["--data.eval_fraction=0"], 1, "needs held-out data"),
     (["--data.eval_fraction=1.0"], 1, "data.eval_fraction=1.0 must be in [0, 1)"),
-    (["--model.vocab_size=100"], 1, "too small for the byte tokenizer"),
+    (["--model.vocab_size=100", "--data.format=text"], 1, "too small for the byte tokenizer"),  # (auto: the data layer checks)
     (["--training.steps=0"], 1, "training.steps=0 must be >= 1"),
     (["--optim.lr=0"], 1, "optim.lr=0.0 must be > 0"),
     (["--optim.betas=0.9,1.0"], 1, "optim.betas=(0.9, 1.0) must be each in [0, 1)"),
