@@ -182,3 +182,18 @@ def test_a_refused_corpus_ends_the_worker_in_one_line(tmp_path, world1, monkeypa
     left = {p.relative_to(tmp_path / "job").parts[0] for p in (tmp_path / "job").rglob("*")} \
         if (tmp_path / "job").exists() else set()
     assert left <= {"tokens"}, left
+
+
+def test_a_restart_at_the_last_step_finishes_the_run(tmp_path, monkeypatch):
+    """`torchrun --max-restarts`: a rank killed after the final checkpoint restarts every
+    rank at the last step; that is the run completing (no refusal, which made the whole
+    job fail), while a step past the end is still refused, restarted or not."""
+    from fsdp2d.train import preflight
+
+    cfg = _local(tmp_path, "r", "--training.steps=8")
+    with pytest.raises(ConfigError, match="nothing to train: ckpt is at step 8 and training.steps=8"):
+        preflight.check_steps_left(cfg, 8, "ckpt")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    preflight.check_steps_left(cfg, 8, "ckpt")  # the run is complete: finish it
+    with pytest.raises(ConfigError, match="nothing to train: ckpt is at step 9"):
+        preflight.check_steps_left(cfg, 9, "ckpt")

@@ -121,10 +121,14 @@ def check_data(cfg: JobConfig, data: TrainData) -> None:
 
 def check_steps_left(cfg: JobConfig, step: int, path) -> None:
     """(A resumed run, before anything is written.) ConfigError when checkpoint ``path``
-    is at or past the last step to run: there is nothing to train."""
+    is at or past the last step to run: there is nothing to train. Except in a restart by
+    ``torchrun --max-restarts`` of this very run at its last step (a rank died after the
+    final checkpoint): the run is complete, and the restart finishes it (its end of run:
+    the export, the last line) without training."""
     t = cfg.training
     stop, field = (t.stop_at, "training.stop_at") if t.stop_at and t.stop_at < t.steps else (t.steps, "training.steps")
-    if step >= stop:
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if step > stop or (step == stop and not restarted):
         raise ConfigError(f"nothing to train: {path} is at step {step} and {field}={stop}; set training.steps above "
                           f"{step} to train on (the learning-rate schedule follows training.steps), or start a new "
                           f"run with --metrics.run_name=NAME")
