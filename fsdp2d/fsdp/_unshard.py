@@ -169,11 +169,15 @@ class Unshard:
         optimizer step, or an edit through the sharded parameter: two edits, neither
         seen by the other), or the copy is in a lower ``param_dtype`` than the shards
         (writing it back would round the whole parameter). The copy is dropped either way."""
-        p = edited[0]
+        # every edited copy is checked: a mixed-dtype group may hold exact copies (bf16 of
+        # bf16 shards) next to rounded ones (bf16 of fp32 shards)
+        rounded = [q for q in edited if q.unsharded.dtype != q.sharded.dtype]
+        p = rounded[0] if rounded else edited[0]
         if self._shard_versions() != self._gathered_versions:
+            p = edited[0]
             why = ("its shards changed too since they were gathered (an optimizer step, a load, or an edit "
                    "through the sharded parameter), so the edit was made to a stale copy")
-        elif p.unsharded.dtype != p.sharded.dtype:
+        elif rounded:
             why = (f"the copy is the {p.unsharded.dtype} compute copy of {p.sharded.dtype} shards "
                    f"(MixedPrecisionPolicy.param_dtype); writing it back would round the whole parameter")
         else:

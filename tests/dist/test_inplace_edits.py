@@ -115,3 +115,47 @@ def test_edits_that_cannot_be_kept_raise_naming_the_parameter(pool):
     for r in pool.run(job_refused):
         assert "'tok_embeddings.weight'" in r.get("both", "") and "stale copy" in r["both"], r
         assert "'output.weight'" in r.get("dtype", "") and "torch.float32" in r["dtype"], r
+
+
+class _Mixed(torch.nn.Module):
+    """``a`` in bfloat16, ``b`` in float32: one group, gathered in ``param_dtype`` bfloat16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def job_mixed_dtype_group() -> str | None:
+    """A bfloat16 copy of a float32 shard is refused even when an earlier edited
+    parameter's copy (bfloat16 of bfloat16) could be written back exactly. Before the
+    fix only the first edited parameter's dtypes were checked: b.weight was rounded to
+    bfloat16 silently (relative error 2.6e-3)."""
+    import fsdp2d
+
+    from .pool import capture_error, get_mesh
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = _Mixed()
+    fsdp2d.fully_shard(model, mesh=get_mesh((4,), ("dp",)),
+                       mp_policy=fsdp2d.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    x = torch.randn(4, 8)
+    model(x)  # grad-enabled forward, no backward: the root stays gathered
+    with torch.no_grad():
+        model.a.weight.mul_(0.5)  # bf16 shard, bf16 copy: exact
+        model.b.weight.mul_(0.5)  # fp32 shard, bf16 copy: would round
+
+    def forward():
+        with torch.no_grad():
+            model(x)  # its end reshards: the write-back
+
+    err = capture_error(forward)
+    return None if err is None else err[1]
+
+
+def test_mixed_dtype_group_refuses_the_rounded_copy(pool):
+    for msg in pool.run(job_mixed_dtype_group):
+        assert msg is not None and "'b.weight'" in msg and "torch.bfloat16" in msg, msg
