@@ -13,6 +13,7 @@ TP-sharded (no cross-mesh error).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable
 
@@ -47,12 +48,14 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     """Scale gradients in place so their global ``norm_type``-norm is at most ``max_norm``.
 
     Returns the total norm (before clipping), identical on every rank, as a device
-    tensor: nothing is read on the host (no sync) unless ``error_if_nonfinite``. The ops
-    it dispatches do not grow with the number of parameters: one ``_foreach_norm`` and a
-    few reductions per kind of layout (gradients grouped by their weight in the
-    world-wide sum, device and dtype: one or two groups in a model), one all-reduce, and
-    one ``_foreach_mul_`` per device and dtype, as torch's foreach path. Collective:
-    every rank must call it with the matching parameters.
+    tensor in torch's dtype (the gradients' promoted dtype: float32 for bf16 and fp32
+    gradients, float64 when any is float64): nothing is read on the host (no sync) unless
+    ``error_if_nonfinite``. A NaN gradient on any rank makes the total NaN, as torch's on
+    one process. The ops it dispatches do not grow with the number of parameters: one
+    ``_foreach_norm`` and a few reductions per kind of layout (gradients grouped by their
+    weight in the world-wide sum, device and dtype: one or two groups in a model), one
+    all-reduce, and one ``_foreach_mul_`` per device and dtype, as torch's foreach path.
+    Collective: every rank must call it with the matching parameters.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [(g, local_of(g)) for g in (p.grad for p in params) if g is not None]
@@ -60,27 +63,47 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     world = _world()
     # A rank without gradients still joins the all-reduce, on the parameters' device.
     device = grads[0][1].device if grads else (params[0].device if params else torch.device("cpu"))
-    if norm_type == math.inf:  # duplicates do not change a maximum: every nonempty gradient counts
-        maxima = [torch.stack(torch._foreach_norm(gs, math.inf)).max().float()
-                  for gs in _buckets((None, g) for _, g in grads).values()]
-        total = torch.stack(maxima).max().reshape(1) if maxima else torch.zeros(1, device=device)
-        if world > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
-        total = total[0]
+    # torch stacks the per-gradient norms, each in its gradient's dtype: the promoted dtype
+    out_dtype = functools.reduce(torch.promote_types, {g.dtype for _, g in grads}) if grads else torch.float32
+    if norm_type == math.inf:
+        total = _global_max(_buckets((None, g) for _, g in grads), device, world)
     else:
-        acc = torch.zeros(1, dtype=torch.float64, device=device)
-        for (share, _, _), gs in _buckets((_share(dg, world), g) for dg, g in grads).items():
-            norms = torch.stack(torch._foreach_norm(gs, norm_type, dtype=torch.float32)).double()
-            acc += norms.pow_(norm_type).sum() * share  # |g|_p^p, summed in float64 as before
-        if world > 1:
-            dist.all_reduce(acc)
-        total = (acc[0] ** (1.0 / norm_type)).float()
+        total = _global_sum(_buckets((_share(dg, world), g) for dg, g in grads), norm_type, device, world)
+    total = total.to(out_dtype)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {total.item()}")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for (_, dev, dtype), gs in _buckets((None, g) for _, g in grads).items():
-        torch._foreach_mul_(gs, coef.to(dev, dtype))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # in the total's dtype, as torch's
+    for (_, dev, _), gs in _buckets((None, g) for _, g in grads).items():
+        torch._foreach_mul_(gs, coef.to(dev))  # the gradients' dtype, multiplied at the coefficient's precision
     return total
+
+
+def _global_max(buckets: dict[tuple, list[torch.Tensor]], device: torch.device, world: int) -> torch.Tensor:
+    """The largest absolute value over every rank's gradients, in float64 (exact for any
+    float dtype). Duplicates do not change a maximum: every nonempty gradient counts. A
+    NaN travels as a flag beside the maximum in the same all-reduce: MAX over NaN and a
+    number may return either (gloo's std::max depends on the order of its arguments)."""
+    maxima = [torch.stack(torch._foreach_norm(gs, math.inf)).max().to(device, torch.float64)
+              for gs in buckets.values()]
+    local = torch.stack(maxima).max() if maxima else torch.zeros((), dtype=torch.float64, device=device)
+    both = torch.stack([local, local.isnan().to(torch.float64)])  # (2,): max, has NaN
+    if world > 1:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return torch.where(both[1] > 0, math.nan, both[0])
+
+
+def _global_sum(buckets: dict[tuple, list[torch.Tensor]], norm_type: float, device: torch.device,
+                world: int) -> torch.Tensor:
+    """``(sum over ranks and buckets of share * |g|_p^p) ** (1/p)`` in float64. Norms are
+    taken in each gradient's dtype, at least float32 (float64 cannot be narrowed)."""
+    acc = torch.zeros(1, dtype=torch.float64, device=device)
+    for (share, _, dtype), gs in buckets.items():
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        norms = torch.stack(torch._foreach_norm(gs, norm_type, dtype=wide)).to(device, torch.float64)
+        acc += norms.pow_(norm_type).sum() * share  # |g|_p^p, summed in float64
+    if world > 1:
+        dist.all_reduce(acc)
+    return acc[0] ** (1.0 / norm_type)
 
 
 def _buckets(weighted: Iterable[tuple[float | None, torch.Tensor]]) -> dict[tuple, list[torch.Tensor]]:

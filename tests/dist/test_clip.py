@@ -182,3 +182,42 @@ def test_torch_native_partial_tp_clip_fails(pool):
         assert sorted(meshes) == ["('dp', 'tp')", "('dp',)"], meshes
         assert kind is not None, "torch's clip_grad_norm_ now handles the partial-TP model"
         assert "must have the same mesh" in msg, msg
+
+
+def _nan_job(bad_rank: int) -> dict:
+    """A NaN in the local gradient shard of ``bad_rank`` only (a dp-sharded Linear)."""
+    import torch
+    from torch import nn
+
+    import fsdp2d
+
+    from .pool import capture_error
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 8, bias=False)
+    fsdp2d.fully_shard(lin, mesh=get_mesh((4,), ("dp",)))
+    lin(torch.randn(2, 4)).sum().backward()
+    local = lin.weight.grad.to_local()
+    if torch.distributed.get_rank() == bad_rank:
+        local[0, 0] = float("nan")
+    saved = local.clone()
+    out = {}
+    for norm_type in (math.inf, 2.0):
+        local.copy_(saved)
+        total = fsdp2d.clip_grad_norm_(lin.parameters(), 1.0, norm_type)
+        local.copy_(saved)
+        err = capture_error(lambda: fsdp2d.clip_grad_norm_(lin.parameters(), 1.0, norm_type, error_if_nonfinite=True))
+        out[norm_type] = (total.isnan().item(), err is not None)
+    return out
+
+
+@pytest.mark.parametrize("bad_rank", [1, 3])
+def test_a_nan_gradient_on_any_rank_makes_the_norm_nan(pool, bad_rank):
+    """torch's clip on one process returns NaN; so must every rank here. Before the fix
+    the inf norm's MAX all-reduce dropped the NaN of a rank other than 0 (gloo's max keeps
+    its first argument when the comparison is false): every rank returned a finite
+    total and error_if_nonfinite did not raise."""
+    for rank, r in enumerate(pool.run(_nan_job, bad_rank)):
+        for norm_type in (math.inf, 2.0):
+            assert r[norm_type] == (True, True), (rank, norm_type, r)

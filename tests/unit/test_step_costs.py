@@ -21,12 +21,14 @@ from fsdp2d.train.optim import adamw_kind
 from fsdp2d.train.trainer import to_device
 
 
-def _params(n: int, seed: int) -> list[nn.Parameter]:
-    """``n`` parameters with gradients, one of them empty (a rank's empty shard)."""
+def _params(n: int, seed: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> list[nn.Parameter]:
+    """``n`` parameters with gradients, one of them empty (a rank's empty shard), their
+    dtypes taken in turn from ``dtypes``."""
     g = torch.Generator().manual_seed(seed)
-    params = [nn.Parameter(torch.randn(5, 3, generator=g)) for _ in range(n - 1)] + [nn.Parameter(torch.empty(0, 3))]
+    shapes = [(5, 3)] * (n - 1) + [(0, 3)]
+    params = [nn.Parameter(torch.randn(s, generator=g).to(dtypes[i % len(dtypes)])) for i, s in enumerate(shapes)]
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
     return params
 
 
@@ -47,6 +49,39 @@ def test_clip_ops_do_not_grow_with_the_number_of_parameters(norm_type):
         for p, q in zip(params, ref):
             assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7)
     assert counts[0] == counts[1] <= 20, counts
+
+
+# (dtypes of the gradients, relative tolerance against torch's result). float64: both sum
+# float64 norms in another order, ~1e-16. bf16 and fp32 mixed: torch takes each bf16
+# gradient's norm in bf16 (relative rounding 2^-9 each), fsdp2d in float32, so the totals
+# agree to ~2^-9 (the float64 reference below is tight) and a clipped bf16 gradient may
+# round to the neighbouring bf16 value: one ulp, 2^-7 relative at most.
+DTYPE_CASES = {"float64": ((torch.float64,), 1e-12), "bf16_fp32": ((torch.bfloat16, torch.float32), 2.0**-7)}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("case", list(DTYPE_CASES))
+def test_clip_follows_torch_for_float64_and_mixed_gradients(norm_type, case):
+    """Norms in each gradient's dtype or wider (float64 was refused: "the dtype of the
+    input (Double) should be convertible without narrowing"), a total in torch's dtype
+    (its gradients' promoted dtype), the same ops for 39 and 390 gradients."""
+    dtypes, rtol = DTYPE_CASES[case]
+    counts = []
+    for n in (39, 390):
+        params, ref = _params(n, n, dtypes), _params(n, n, dtypes)
+        exact = [p.grad.double().clone() for p in ref[:-1]]
+        with OpCounter() as ops:
+            total = fsdp2d.clip_grad_norm_(params, 0.5, norm_type)
+        counts.append(sum(ops.ops.values()))
+        want = torch.nn.utils.clip_grad_norm_(ref[:-1], 0.5, norm_type)
+        assert total.dtype == want.dtype == dtypes[-1], (total.dtype, want.dtype)
+        assert torch.allclose(total, want, rtol=rtol), (total, want)
+        # against float64 arithmetic on the same gradients: only the total's own rounding
+        assert torch.allclose(total.double(), torch.nn.utils.get_total_norm(exact, norm_type),
+                              rtol=1e-12 if case == "float64" else 1e-6)
+        for p, q in zip(params, ref):
+            assert torch.allclose(p.grad.double(), q.grad.double(), rtol=rtol, atol=1e-12), p.dtype
+    assert counts[0] == counts[1] <= 30, counts  # (a norm and a scale per dtype)
 
 
 class _Group:
