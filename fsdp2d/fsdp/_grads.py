@@ -59,18 +59,26 @@ class GradReduction:
         all_had = self._every_trainable_had(grads)
         self.counts["reduce_scatter"] += 1
         # (work, out, all_had, whether out holds the sum over the replicate axis once work is done)
+        d = self._division()
         if self.k == 1:
             out = buf.view(-1)
-            if self.replicate_group is None and self.divide_factor != 1:  # else the all-reduce divides
-                out.div_(self.divide_factor)
+            if self.replicate_group is None:  # else the all-reduce divides
+                for f in (d.pre, d.within, d.post):
+                    if f != 1.0:
+                        out.div_(f)
             self._reduce = (None, out, all_had, self.replicate_group is None)
         else:
             out = buf.new_empty(self.total + len(self.params))
-            with _trace.span("reduce_scatter", self.label):
+            with _trace.span("reduce_scatter", self.label):  # (HSDP: the all-reduce divides by post)
                 work = C.reduce_scatter_into(out, buf.view(-1), self.shard_group, async_op=True,
-                                             divide=self.divide_factor, force_sum=self.force_sum)
+                                             division=d if self.replicate_group is None else d.first)
             self._reduce = (work, out, all_had, self.replicate_group is None)
         self.needs_reduce = False
+
+    def _division(self) -> C.Division:
+        """How the gradients' sum over the data-parallel ranks is divided by
+        ``divide_factor`` (torch FSDP2's rule, see :func:`fsdp2d._collectives.division`)."""
+        return C.division(self.divide_factor, self.reduce_dtype, self.force_sum)
 
     def _pack_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """The reduce-scatter input ``(k, total + n)``: every parameter's gradient in its
@@ -139,8 +147,8 @@ class GradReduction:
         work, out, all_had, _ = self._reduce
         if work is not None:
             work.wait()
-        divide = self.divide_factor if self.k == 1 else 1.0  # a reduce-scatter divided already
-        self._reduce = (C.all_reduce_start(out, self.replicate_group, divide=divide, force_sum=self.force_sum),
+        d = self._division()  # the reduce-scatter divided by pre and within already
+        self._reduce = (C.all_reduce_start(out, self.replicate_group, division=d if self.k == 1 else d.last),
                         out, all_had, True)
 
     def finish_reduce(self, assign: bool = True) -> None:

@@ -93,21 +93,40 @@ class _Group:
 
 
 @pytest.mark.parametrize("backend,dtype,divide,force,want", [
-    ("nccl", torch.float32, 8.0, False, ("AVG", 1.0)),         # the group's size: NCCL averages
-    ("nccl", torch.bfloat16, 32.0, False, ("PREMUL_SUM", 1.0)),  # HSDP's dp size or a custom factor
-    ("fake", torch.float32, 8.0, False, ("AVG", 1.0)),          # `fsdp2d plan` simulates NCCL
-    ("nccl", torch.float32, 1.0, False, ("SUM", 1.0)),          # factor 1 sums: no division at all
-    ("nccl", torch.float16, 8.0, False, ("SUM", 8.0)),          # fp16 could underflow: torch's rule too
-    ("nccl", torch.float32, 8.0, True, ("SUM", 8.0)),           # set_force_sum_reduction_for_comms
-    ("gloo", torch.float32, 8.0, False, ("SUM", 8.0)),          # gloo has no AVG for every collective
+    ("nccl", torch.float32, 8.0, False, (1.0, "AVG", 1.0)),          # the group's size: NCCL averages
+    ("nccl", torch.bfloat16, 32.0, False, (1.0, "PREMUL_SUM", 1.0)),  # HSDP's dp size or a custom factor
+    ("fake", torch.float32, 8.0, False, (1.0, "AVG", 1.0)),           # `fsdp2d plan` simulates NCCL
+    ("nccl", torch.float32, 1.0, False, (1.0, "SUM", 1.0)),           # factor 1 sums: no division at all
+    ("nccl", torch.float16, 8.0, False, (4.0, "SUM", 2.0)),           # fp16's range: ~sqrt(8) before, the rest after
+    ("gloo", torch.float16, 2.0, False, (2.0, "SUM", 1.0)),           # (torch's loop: 2 ranks, all before)
+    ("nccl", torch.float16, 6.0, True, (4.0, "SUM", 1.5)),            # force_sum changes nothing for fp16
+    ("nccl", torch.float64, 16.0, False, (4.0, "SUM", 4.0)),          # torch splits float64 too
+    ("nccl", torch.float32, 8.0, True, (1.0, "SUM", 8.0)),            # set_force_sum_reduction_for_comms
+    ("gloo", torch.float32, 8.0, False, (1.0, "SUM", 8.0)),           # gloo has no AVG for every collective
 ])
 def test_gradient_average_is_inside_the_collective_where_the_backend_has_it(monkeypatch, backend, dtype, divide,
                                                                             force, want):
+    """(divide before, the collective's op, divide after) for one collective, as torch
+    FSDP2's ``_get_gradient_divide_factors`` splits it."""
     group = _Group(8)
     monkeypatch.setattr(C, "_backend", lambda g: backend)
-    op, after = C.reduce_op(group, divide, torch.zeros(1, dtype=dtype), force)
+    d = C.division(divide, dtype, force)
+    op, after = C.reduce_op(group, d.within, torch.zeros(1, dtype=dtype))
     name = "PREMUL_SUM" if not isinstance(op, dist.ReduceOp.RedOpType) else op.name
-    assert (name, after) == want
+    assert (d.pre, name, after * d.post) == want
+
+
+@pytest.mark.parametrize("dtype,force", [(torch.float16, False), (torch.float16, True), (torch.float64, False),
+                                         (torch.float32, True), (torch.bfloat16, True)])
+def test_division_splits_as_torch_fsdp2(dtype, force):
+    """Divided around the collectives: the same (pre, post) as torch's own rule for every
+    factor up to 64 (the numbers, not just the idea: results then equal torch's bitwise)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    for factor in range(2, 65):
+        pre, post, _, _ = _get_gradient_divide_factors(_Group(factor), None, dtype, "cuda", float(factor), force)
+        d = C.division(float(factor), dtype, force)
+        assert (d.pre, d.within, d.post) == (pre or 1.0, 1.0, post), (factor, d, pre, post)
 
 
 def test_batches_reach_the_gpu_through_pinned_memory(monkeypatch):
