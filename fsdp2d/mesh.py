@@ -45,7 +45,7 @@ def _ensure_process_group(device_type: str, world_size: int) -> None:
         # world runs on this group (see _high_priority).
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        kwargs = {"device_id": device, "pg_options": _high_priority_options(_default_nccl_timeout())}
+        kwargs = {"device_id": device, "pg_options": _nccl_options(_default_nccl_timeout())}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -179,9 +179,9 @@ def _default_nccl_timeout() -> timedelta | None:
     return getattr(constants, "default_pg_nccl_timeout", None)
 
 
-def _high_priority_options(timeout: timedelta | None):
-    """Fresh NCCL options with high-priority streams (each group writes into its own)."""
-    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+def _nccl_options(timeout: timedelta | None, high_priority: bool = True):
+    """Fresh NCCL options, with high-priority streams or not (each group writes into its own)."""
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
     if timeout is not None:  # new_group warns when the options' timeout differs from its own
         options._timeout = timeout
     return options
@@ -213,14 +213,18 @@ def _axis_group(mesh: torch.Tensor, axis: int, high_priority: bool = False, name
         return dist.group.WORLD
     timeout = group_timeout()
     if _splits():
-        options = _high_priority_options(timeout) if high_priority else None
+        # Always explicit: split_group given None deep-copies the default group's options,
+        # and fsdp2d makes that group with high-priority streams (_ensure_process_group),
+        # so a TP axis would inherit them. TP collectives are on the compute path (compute
+        # waits for each at once): normal priority, as torch's own TP groups.
+        options = _nccl_options(timeout, high_priority)
         group = dist.distributed_c10d.split_group(split_ranks=lines, timeout=timeout, pg_options=options,
                                                   group_desc=f"mesh_{name or f'dim{axis}'}")
         assert group is not None  # every rank is on a line
         return group
     mine = None
     for line in lines:
-        options = _high_priority_options(timeout) if high_priority else None
+        options = _nccl_options(timeout) if high_priority else None  # (None: new_group's normal priority)
         group = dist.new_group(line, timeout=timeout, pg_options=options)
         if rank in line:
             mine = group

@@ -5,6 +5,7 @@ by recording what reaches ``dist.new_group``, ``split_group`` and ``init_process
 
 from __future__ import annotations
 
+import copy
 from datetime import timedelta
 
 import pytest
@@ -74,10 +75,13 @@ def test_bound_nccl_splits_each_axis_once(world, monkeypatch):
     every line (not a new_group per line), data-parallel axes with high priority."""
     calls = world("nccl")
     splits = []
+    parent = _Options(is_high_priority_stream=True)  # fsdp2d's default group (test_cuda_default_group_...)
 
     def split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None, group_desc=None):
         assert timeout == timedelta(seconds=77)
-        splits.append((split_ranks, pg_options, group_desc))
+        # what torch 2.13's split_group does with None: a deep copy of the parent's options
+        effective = pg_options if pg_options is not None else copy.deepcopy(parent)
+        splits.append((split_ranks, effective, group_desc))
         return f"split{len(splits)}"
 
     monkeypatch.setattr(M, "_splits", lambda: True)
@@ -85,7 +89,9 @@ def test_bound_nccl_splits_each_axis_once(world, monkeypatch):
     assert _groups("cuda", (4, 2), ("dp", "tp")) == ["split1", "split2"] and not calls
     (dp_lines, dp_opts, dp_desc), (tp_lines, tp_opts, tp_desc) = splits
     assert dp_lines == [[0, 2, 4, 6], [1, 3, 5, 7]] and tp_lines == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert dp_opts.is_high_priority_stream and tp_opts is None and (dp_desc, tp_desc) == ("mesh_dp", "mesh_tp")
+    # TP collectives are on the compute path: normal priority, not the default group's high one
+    assert dp_opts.is_high_priority_stream and not tp_opts.is_high_priority_stream
+    assert (dp_desc, tp_desc) == ("mesh_dp", "mesh_tp") and dp_opts._timeout == tp_opts._timeout == timedelta(seconds=77)
 
 
 def test_cuda_default_group_is_bound_to_its_device_with_high_priority(monkeypatch):
