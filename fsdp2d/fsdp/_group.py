@@ -39,7 +39,7 @@ from .. import _collectives as C
 from .._dtensor import as_dtensor, install_rest_hooks, local_of
 from .._stale import mark_replaced
 from ._grads import GradReduction
-from ._param import FSDPParam, alias
+from ._param import FSDPParam, alias, is_storage, storage_of
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._unshard import Unshard, _Gather
 
@@ -163,6 +163,7 @@ class FSDPParamGroup(Unshard, GradReduction):
             if old is not current and old is not p.sharded:
                 mark_replaced(old, p.fqn, "to_empty(), .to() or load_state_dict(assign=True) on the model")
             p.expected_local = view
+            p.sharded_storage = storage_of(p.sharded)
             p.register("sharded")
             for owner, _ in [(p.module, p.name), *p.aliases]:
                 install_rest_hooks(owner, self.to_rest)
@@ -186,14 +187,33 @@ class FSDPParamGroup(Unshard, GradReduction):
 
     def _replaced(self, p: FSDPParam) -> bool:
         """The module no longer holds our parameters: a new object (``to_empty()`` on a
-        meta model, ``load_state_dict(assign=True)``), or our object whose storage was
-        swapped in place (``to_empty()``/``.double()``/``.to()`` on a real model)."""
+        meta model, ``load_state_dict(assign=True)``), or our object whose contents were
+        swapped (``to_empty()``/``.double()``/``.to()`` on a real model: torch swaps a
+        DTensor parameter's contents, local tensor included). Not a ``p.data = t`` on it,
+        which leaves the local tensor in place (see :meth:`_refuse_data_assigned`)."""
         current = p.module._parameters[p.name]
         if current is p.unsharded:
             return False
         if current is not p.sharded:
             return True
-        return not _same_storage(local_of(current), p.expected_local) or current.dtype not in self.flats
+        if not _same_storage(local_of(current), p.expected_local):
+            return True
+        return is_storage(current, p.sharded_storage) and current.dtype not in self.flats
+
+    def _refuse_data_assigned(self) -> None:
+        """``p.data = t`` on a sharded parameter: torch's DTensor keeps computing with its
+        old local tensor, so the new values are out of reach (and lost on torch's FSDP2
+        too). Refused, naming the parameter, before anything reads the shards; the
+        assignment is undone so that the model stays usable."""
+        for p in self.params:  # (contents swapped, local tensor included: a replacement, see _replaced)
+            if not is_storage(p.sharded, p.sharded_storage) and _same_storage(local_of(p.sharded), p.expected_local):
+                p.restore_sharded()
+                raise RuntimeError(
+                    f"fsdp2d: parameter {p.fqn!r} of fully_shard({self.label or '<root>'}) had its .data assigned "
+                    f"(p.data = t, or torch.nn.utils.vector_to_parameters) on its sharded DTensor; torch's DTensor "
+                    f"keeps computing with its old local tensor, so the new values were lost (on torch's FSDP2 as "
+                    f"well) and the assignment is undone. Copy the values in instead: with torch.no_grad(): "
+                    f"p.copy_(t) (a DTensor, or the full tensor through load_state_dict)")
 
     def _send_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's all-gather input in ``dtype``: the flat buffer itself when it has
@@ -212,10 +232,12 @@ class FSDPParamGroup(Unshard, GradReduction):
 
     def sync_params(self) -> None:
         """Adopt parameters replaced behind our back (``to_empty()``, ``load_state_dict``
-        with assign): rebuild the flat buffer from whatever the modules now hold."""
+        with assign): rebuild the flat buffer from whatever the modules now hold. Refuse
+        a ``.data`` assignment to a sharded parameter (:meth:`_refuse_data_assigned`)."""
         if not self.params:
             return
         replaced = [p for p in self.params if self._replaced(p)]
+        self._refuse_data_assigned()
         if replaced:
             self.wait_unshard()
             self.unsharded = False  # the rebuild makes new (freed) unsharded parameters

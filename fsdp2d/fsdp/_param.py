@@ -73,6 +73,20 @@ def alias(flat: torch.Tensor, start: int, shape: tuple[int, ...]) -> torch.Tenso
     return flat.new_empty(0).set_(flat.untyped_storage()[begin:begin + n * size], 0, shape)
 
 
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage ``t``'s own TensorImpl points at (a DTensor's: its wrapper's, which holds
+    no data). ``t.data = x`` replaces it (``set_data``) and nothing else that fsdp2d can
+    see: the version counter stays, and a DTensor keeps its ``_local_tensor``, so on a
+    DTensor the assignment is lost (torch's DTensor computes with the old local tensor).
+    Held, not just its address, so that a freed storage's address cannot come back."""
+    return torch.Tensor.untyped_storage(t)
+
+
+def is_storage(t: torch.Tensor, held: torch.UntypedStorage) -> bool:
+    """Whether ``t`` still points at ``held`` (one C call, no data read)."""
+    return torch.Tensor.untyped_storage(t)._cdata == held._cdata
+
+
 class FSDPParam:
     """One parameter of a ``fully_shard`` group.
 
@@ -121,6 +135,10 @@ class FSDPParam:
         self.padded: torch.Tensor | None = None  # the unsharded storage, k * padded_rows rows
         self.acc_grad: torch.Tensor | None = None  # no-sync accumulation in reduce_dtype
         self.expected_local: torch.Tensor | None = None  # the sharded view; another means replaced
+        # storage_of(sharded) and storage_of(unsharded) when they were made: another means
+        # `.data` was assigned (see storage_of; set by the group's _build_flat and make_unsharded)
+        self.sharded_storage: torch.UntypedStorage | None = None
+        self.unsharded_storage: torch.UntypedStorage | None = None
 
     def spec(self, dtype: torch.dtype):
         """The DTensor spec of the sharded parameter (and its gradient) in ``dtype``."""
@@ -146,11 +164,13 @@ class FSDPParam:
         not); the parameter is a view of the first ``rows`` of them."""
         padded = torch.empty(self.num_shards * self.segment_numel, dtype=dtype, device=device)
         rows = padded[:self.unsharded_shape[0] * self.row_numel].view(self.unsharded_shape)
+        self._rows = rows.detach()  # (views stay valid while the storage is freed and refilled)
         if self.tp_spec is not None:  # the module computes on DTensors (TP torch applied)
             meta = self.tp_spec.tensor_meta
             spec = DTensorSpec(self.tp_spec.mesh, self.tp_spec.placements, TensorMeta(meta.shape, meta.stride, dtype))
             rows = as_dtensor(rows, spec)
         self.unsharded = nn.Parameter(rows, requires_grad=self.requires_grad)
+        self.unsharded_storage = storage_of(self.unsharded)  # plain: the padded storage itself
         mark_transient(self.unsharded, self.fqn)
         # .data: the same storage with its own version counter, so refilling what autograd
         # saved (a re-gather before backward) is not an in-place modification error
@@ -158,6 +178,47 @@ class FSDPParam:
         self.padded_by_rank = self.padded.view(self.num_shards, -1)  # (k, segment): the all-gather's layout
         self._padded_rows: tuple[torch.Tensor, ...] | None = None  # see padded_row
         self.free_unsharded()
+
+    def data_assigned(self) -> str | None:
+        """Which copy had its ``.data`` assigned since fsdp2d made it: "sharded",
+        "unsharded" or None (see :func:`storage_of`)."""
+        if not is_storage(self.sharded, self.sharded_storage):
+            return "sharded"
+        if self.unsharded is not None and not is_storage(self.unsharded, self.unsharded_storage):
+            return "unsharded"
+        return None
+
+    def assigned_unsharded(self) -> torch.Tensor | None:
+        """The tensor ``unsharded.data = t`` put in place of the gathered rows: ``t`` when
+        it can be read as them (plain, of the unsharded shape, on its device; its dtype is
+        checked by the write-back), else None (a DTensor keeps its old local tensor)."""
+        u = self.unsharded
+        if self.tp_spec is not None or tuple(u.shape) != self.unsharded_shape or u.device != self.padded.device:
+            return None
+        return u.detach()
+
+    def restore_unsharded(self) -> None:
+        """Point the unsharded parameter at its padded storage again after a ``.data``
+        assignment (the same object: hooks and the module's reference stay). A DTensor
+        (TP torch applied) gets a fresh wrapper of its spec around the same local rows."""
+        u = self.unsharded
+        with torch.no_grad():
+            if self.tp_spec is not None:
+                meta = self.tp_spec.tensor_meta
+                spec = DTensorSpec(self.tp_spec.mesh, self.tp_spec.placements,
+                                   TensorMeta(meta.shape, meta.stride, self.padded.dtype))
+                u.data = as_dtensor(u._local_tensor, spec)
+            else:
+                u.data = self._rows
+        self.unsharded_storage = storage_of(u)
+
+    def restore_sharded(self) -> None:
+        """Undo a ``sharded.data = t`` (lost anyway: see :func:`storage_of`): the DTensor's
+        own metadata back to its spec around its unchanged local tensor."""
+        local = self.sharded._local_tensor
+        with torch.no_grad():
+            self.sharded.data = as_dtensor(local, self.spec(local.dtype))
+        self.sharded_storage = storage_of(self.sharded)
 
     def padded_row(self, j: int) -> torch.Tensor:
         """Segment ``j`` (rank j's rows) of the unsharded storage, flat. The ``k`` segments

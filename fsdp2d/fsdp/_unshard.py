@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .. import _collectives as C
 from .. import _streams, _trace
 from .._dtensor import local_of
-from ._param import FSDPParam
+from ._param import FSDPParam, is_storage
 
 _OPTIMIZER_STEPS = [0]
 
@@ -116,6 +116,11 @@ class Unshard:
         # must not leave a spent handle that the next wait would take as done, marking
         # uninitialised storage unsharded. The next unshard gathers again (or raises again).
         self._gather = None
+        # .data assigned on a resharded copy (a reference kept from an earlier forward):
+        # the module would compute with that tensor instead of what is gathered now
+        stale = [p for p in self.params if not is_storage(p.unsharded, p.unsharded_storage)]
+        for p in stale:
+            p.restore_unsharded()
         with _trace.span("all_gather_copy_out", self.label):
             if gather.ready is not None:  # the copy to the device (CPU offload)
                 _streams.current_stream(self.compute_device).wait_event(gather.ready)
@@ -124,6 +129,12 @@ class Unshard:
             self._copy_out(gather.work, gather.out)
         self.unsharded = True
         self._copied_versions = [p.unsharded._version for p in self.params]
+        if stale:
+            raise RuntimeError(
+                f"fsdp2d: parameter {stale[0].fqn!r} of fully_shard({self.label or '<root>'}) had the .data of its "
+                f"unsharded copy assigned while the group was resharded (through a reference kept from an earlier "
+                f"forward); the model no longer holds that tensor, so the assignment is dropped. Assign through "
+                f"model.parameters() after model.unshard(), or copy into the sharded parameter")
 
     def _copy_out(self, work: Any, out: torch.Tensor | None) -> None:
         if out is None:  # shared memory (see unshard): one copy op per rank's piece
@@ -156,44 +167,68 @@ class Unshard:
         self.unsharded = False
 
     def _edited_unsharded(self) -> list[FSDPParam]:
-        """Parameters edited in place through the unsharded copy since the copy-out (an
-        edit through ``model.parameters()`` while the group is gathered: after a forward
+        """Parameters edited through the unsharded copy since the copy-out (an edit
+        through ``model.parameters()`` while the group is gathered: after a forward
         without backward, with ``set_reshard_after_backward(False)``, after a manual
-        ``unshard()``)."""
-        return [p for p, v in zip(self.params, self._copied_versions) if p.unsharded._version != v]
+        ``unshard()``): in place (its version counter moved) or by ``p.data = t`` (it
+        points at another storage). An in-place edit through ``p.data`` moves no counter
+        fsdp2d can read (``.data`` is an alias with a counter of its own) and is not seen:
+        docs/architecture.md, "Edits while gathered"."""
+        return [p for p, v in zip(self.params, self._copied_versions)
+                if p.unsharded._version != v or not is_storage(p.unsharded, p.unsharded_storage)]
 
     def _write_back(self, edited: list[FSDPParam]) -> None:
         """Write the edited unsharded copies' rows back to this rank's shards, so that the
-        edit survives the reshard (each rank takes its own rows). Refused, naming the
-        parameter, where that would be wrong: the shards changed too since the gather (an
-        optimizer step, or an edit through the sharded parameter: two edits, neither
-        seen by the other), or the copy is in a lower ``param_dtype`` than the shards
-        (writing it back would round the whole parameter). The copy is dropped either way."""
-        # every edited copy is checked: a mixed-dtype group may hold exact copies (bf16 of
-        # bf16 shards) next to rounded ones (bf16 of fp32 shards)
-        rounded = [q for q in edited if q.unsharded.dtype != q.sharded.dtype]
-        p = rounded[0] if rounded else edited[0]
-        if self._shard_versions() != self._gathered_versions:
-            p = edited[0]
-            why = ("its shards changed too since they were gathered (an optimizer step, a load, or an edit "
-                   "through the sharded parameter), so the edit was made to a stale copy")
-        elif rounded:
-            why = (f"the copy is the {p.unsharded.dtype} compute copy of {p.sharded.dtype} shards "
-                   f"(MixedPrecisionPolicy.param_dtype); writing it back would round the whole parameter")
-        else:
+        edit survives the reshard (each rank takes its own rows); a copy whose ``.data``
+        was assigned is read from the assigned tensor, then points at its own storage
+        again. Refused, naming the parameter, where that would be wrong (see
+        :meth:`_refusal`). The copy is dropped either way."""
+        assigned = [q for q in edited if not is_storage(q.unsharded, q.unsharded_storage)]
+        p, why = self._refusal(edited, assigned)
+        if why is None:
             with torch.no_grad():
-                for p in edited:
-                    local_of(p.sharded).copy_(p.shard_of(_plain(p.unsharded)))
+                for q in edited:
+                    local_of(q.sharded).copy_(q.shard_of(_plain(q.unsharded)))
+        for q in assigned:
+            q.restore_unsharded()
+        if why is None:
             return
         for q in self.params:
             q.free_unsharded()
             q.register("sharded")
         self.unsharded = False
         raise RuntimeError(
-            f"fsdp2d: parameter {p.fqn!r} of fully_shard({self.label or '<root>'}) was edited in place through "
-            f"its unsharded copy (model.parameters() while the group was gathered), but {why}; the edit is "
-            f"dropped. Edit the sharded parameters instead (the tensors model.parameters() returns after "
-            f"model.reshard(), or an optimizer's references)")
+            f"fsdp2d: parameter {p.fqn!r} of fully_shard({self.label or '<root>'}) was edited through its unsharded "
+            f"copy (in place or by assigning .data, through model.parameters() while the group was gathered), but "
+            f"{why}; the edit is dropped. Edit the sharded parameters instead (the tensors model.parameters() "
+            f"returns after model.reshard(), or an optimizer's references)")
+
+    def _refusal(self, edited: list[FSDPParam], assigned: list[FSDPParam]) -> tuple[FSDPParam, str | None]:
+        """(the parameter at fault, why its edit cannot be written back), or (_, None).
+        The shards changed too since the gather (an optimizer step, or an edit through the
+        sharded parameter: two edits, neither seen by the other); an assigned tensor that
+        cannot be read as the gathered copy; a copy in another dtype than the shards (a
+        lower ``param_dtype``: writing it back would round the whole parameter; or an
+        assigned tensor of another dtype: a shard keeps its dtype). Every edited copy is
+        checked: a mixed-dtype group may hold exact copies (bf16 of bf16 shards) next to
+        rounded ones (bf16 of fp32 shards)."""
+        if self._shard_versions() != self._gathered_versions:
+            return edited[0], ("its shards changed too since they were gathered (an optimizer step, a load, or an "
+                               "edit through the sharded parameter), so the edit was made to a stale copy")
+        for q in assigned:
+            if q.assigned_unsharded() is None:
+                u = q.unsharded
+                return q, (f"its .data was assigned a {type(u).__name__} of shape {tuple(u.shape)} on {u.device}, "
+                           f"which is not the gathered copy's {q.unsharded_shape} on {q.padded.device} "
+                           f"{'(a DTensor keeps its old local tensor)' if q.tp_spec is not None else ''}")
+        for q in edited:
+            if q.unsharded.dtype != q.sharded.dtype:
+                if any(q is a for a in assigned):
+                    return q, (f"its .data was assigned a {q.unsharded.dtype} tensor and its shards are "
+                               f"{q.sharded.dtype} (cast the whole module instead)")
+                return q, (f"the copy is the {q.unsharded.dtype} compute copy of {q.sharded.dtype} shards "
+                           f"(MixedPrecisionPolicy.param_dtype); writing it back would round the whole parameter")
+        return edited[0], None
 
 
 class _Gather:

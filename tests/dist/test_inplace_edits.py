@@ -12,12 +12,24 @@ right after training), with ``set_reshard_after_backward(False)``, or after a ma
 - through ``model.parameters()`` while gathered: the edit lands in the unsharded copy,
   which the next reshard writes back to the shards.
 
-Measured on this test before the fix (three forwards each): refs after a forward
-[1.22, 0, 0] (the root's stale gathered copy used once), parameters after a forward
-[0, 1.22, 1.22] and with set_reshard_after_backward(False) the same (the edit lost at
-the first reshard), after a manual unshard() [0, 0.0035, 0.0035]. Tolerance: float64
-forwards of the same weights differ by the order of TP/FSDP sums, ~1e-16 relative; 1e-12
-is far below any lost edit (>= 1e-2 here).
+``p.data = t`` on a gathered copy is adopted as an edit (read from ``t``, written back,
+the copy pointed at its own storage again): before, the module kept computing with ``t``
+while the shards kept the old values, and the next gather filled a storage no module
+held, so an optimizer step stepped shards without the edit (data_assigned_after_forward:
+[0, 0, 0] while the module kept computing with ``t``, then 2.8e-3 after one SGD step).
+
+Measured on this test before the issue 30 fix (three forwards each; the SGD step after
+them came later): refs after a forward [1.22, 0, 0] (the root's stale gathered copy used
+once), parameters after a forward [0, 1.22, 1.22] and with set_reshard_after_backward(False)
+the same (the edit lost at the first reshard), after a manual unshard() [0, 0.0035,
+0.0035]. Tolerance: float64 forwards of the same weights differ by the order of TP/FSDP
+sums, ~1e-16 relative; 1e-12 is far below any lost edit (>= 1e-3 here).
+
+Not seen, because nothing fsdp2d can read moves: an in-place edit through ``p.data``
+(``p.data.mul_()``). ``.data`` is an alias with a version counter of its own, so neither
+the unsharded copy's counter nor the shards' move; docs/architecture.md says what then
+happens. An assignment ``p.data = t`` replaces the storage a tensor points at, which is
+seen (:func:`fsdp2d.fsdp._param.storage_of`).
 """
 
 from __future__ import annotations
@@ -26,11 +38,12 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import _parity as P
 
 FLOWS = ("refs_after_forward", "parameters_after_forward", "parameters_no_reshard_after_backward",
-         "parameters_after_unshard")
+         "parameters_after_unshard", "data_assigned_after_forward")
 
 
 def _edit(params, ref_params) -> None:
@@ -61,15 +74,31 @@ def job_edits(flow: str) -> list[float]:
         model.set_reshard_after_backward(False)
         model(x).sum().backward()
         _edit(list(model.parameters()), list(ref.parameters()))  # every group's gathered copies
-    else:
+    elif flow == "parameters_after_unshard":
         model.layers[0].unshard()
         _edit(list(model.layers[0].parameters()), list(ref.layers[0].parameters()))
+    else:  # p.data = t on the root's gathered copies (plain tensors; the blocks' are DTensors)
+        model(x)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                if not isinstance(p, DTensor):
+                    p.data, q.data = p.data * 0.5, q.data * 0.5
     errs = []
     with torch.no_grad():
         want = ref(x)
         for _ in range(3):
             got = model(x)
             errs.append(((got - want).norm() / want.norm()).item())
+    # then an optimizer step: it reads and writes the shards, so an edit the shards missed
+    # shows even where the module kept computing with an edited tensor
+    for m in (model, ref):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m.zero_grad()  # (a flow's own backward left gradients on the model)
+        m(x).square().mean().backward()
+        opt.step()
+    with torch.no_grad():
+        want = ref(x)
+        errs.append(((model(x) - want).norm() / want.norm()).item())
     return errs
 
 
@@ -159,3 +188,57 @@ def job_mixed_dtype_group() -> str | None:
 def test_mixed_dtype_group_refuses_the_rounded_copy(pool):
     for msg in pool.run(job_mixed_dtype_group):
         assert msg is not None and "'b.weight'" in msg and "torch.bfloat16" in msg, msg
+
+
+def job_data_assignments() -> dict:
+    """``.data`` assignments fsdp2d cannot keep, each refused naming the parameter:
+    on a sharded DTensor (torch's DTensor keeps its old local tensor: lost on torch's
+    FSDP2 too); on a gathered copy, of another shape; on a gathered copy kept from an
+    earlier forward and assigned after the reshard. Each time the model stays usable: the
+    next forward equals the unedited reference."""
+    torch.set_num_threads(1)
+    s = P.Setup(model="llama", mesh=(2, 2), names=("dp", "tp"))
+    x, _ = P.batch_for(0, s)
+    ref = P.build("llama").double()
+    with torch.no_grad():
+        want = ref(x)
+    model = copy.deepcopy(ref)
+    P.parallelize(model, s)
+    out = {}
+
+    def forward():
+        with torch.no_grad():
+            model(x)
+
+    def refused(key, edit, then=forward):
+        edit()
+        try:
+            then()
+        except RuntimeError as e:
+            out[key] = str(e)
+        with torch.no_grad():  # the edit is dropped: the model is the reference again
+            out[key + "_after"] = ((model(x) - want).norm() / want.norm()).item()
+
+    w = model.layers[1].attention.wq.weight  # a sharded DTensor (resharded after every forward)
+    refused("sharded", lambda: setattr(w, "data", w.data * 0.5))
+    model(x)  # grad-enabled: the root stays gathered
+    # (a forward now would fail inside the norm, as on a plain module: reshard instead)
+    refused("shape", lambda: setattr(model.norm.weight, "data", torch.ones(3, dtype=torch.float64)), model.reshard)
+    model(x)
+    kept = model.output.weight  # the gathered copy
+    model.reshard()
+    refused("stale", lambda: setattr(kept, "data", torch.zeros_like(kept)))  # (its storage is freed: not read)
+    return out
+
+
+def test_data_assignments_that_cannot_be_kept_raise_naming_the_parameter(pool):
+    """Before: the sharded assignment and the stale one were silently lost (rel err
+    1.7-2.4 after 3 SGD steps in the reviewer's runs), the shape one computed with it."""
+    for r in pool.run(job_data_assignments):
+        assert "'layers.1.attention.wq.weight'" in r.get("sharded", "") or \
+            "'attention.wq.weight'" in r.get("sharded", ""), r
+        assert "its sharded DTensor" in r["sharded"], r
+        assert "'norm.weight'" in r.get("shape", "") and "shape (3,)" in r["shape"], r
+        assert "'output.weight'" in r.get("stale", "") and "resharded" in r["stale"], r
+        for key in ("sharded", "shape", "stale"):
+            assert r[key + "_after"] < 1e-12, (key, r)
