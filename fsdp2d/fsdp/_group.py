@@ -104,6 +104,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         self.input_waits: weakref.WeakSet = weakref.WeakSet()
         self.inputs_done = 0
         self._gathered_versions: tuple = ()  # _shard_versions() at the last gather
+        self.optimizer_steps = [0]  # steps of optimizers holding our parameters (see _unshard._count_step)
         self._copied_versions: list[int] = []  # each unsharded parameter's version at the last copy-out
         self.needs_reduce = False
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
@@ -114,7 +115,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         # per-parameter ones (use_orig_params=False).
         self.grad_dtype: torch.dtype | None = None
         self.accumulate_in_compute_dtype = False  # FSDP1: no-sync sums in param_dtype (see accumulation_dtype)
-        self.flat_param: torch.nn.Parameter | None = None
+        self._flat_param: torch.nn.Parameter | None = None
         self.compute_device = params[0].sharded.device if params else torch.device("cpu")
         self._build_flat(self.compute_device, initial=True)
 
@@ -164,6 +165,7 @@ class FSDPParamGroup(Unshard, GradReduction):
                 mark_replaced(old, p.fqn, "to_empty(), .to() or load_state_dict(assign=True) on the model")
             p.expected_local = view
             p.sharded_storage = storage_of(p.sharded)
+            p.sharded._fsdp2d_steps = self.optimizer_steps
             p.register("sharded")
             for owner, _ in [(p.module, p.name), *p.aliases]:
                 install_rest_hooks(owner, self.to_rest)
@@ -172,6 +174,16 @@ class FSDPParamGroup(Unshard, GradReduction):
         self.compute_device = device
         if self.flat_param is not None:  # rebuilt storage: the flat parameter follows it
             self.flat_param._local_tensor = next(iter(self.flats.values()))
+
+    @property
+    def flat_param(self) -> torch.nn.Parameter | None:
+        return self._flat_param
+
+    @flat_param.setter
+    def flat_param(self, param: torch.nn.Parameter | None) -> None:
+        self._flat_param = param
+        if param is not None:  # an optimizer stepping it steps this group (see optimizer_steps)
+            param._fsdp2d_steps = self.optimizer_steps
 
     def _sync_requires_grad(self) -> None:
         """Follow ``requires_grad`` changes made after ``fully_shard`` (freezing layers)."""

@@ -3,7 +3,7 @@ gathering the shards into the unsharded parameters, resharding, and keeping what
 unsharded copies show equal to the shards (staleness, edits while gathered). State it
 reads is the group's: ``params``, ``k``, ``total``, ``flats``, ``flat_param``,
 ``param_dtype``, ``compute_device``, ``shard_group``, ``label``, ``counts``, ``_gather``,
-``_gathered_versions``, ``_copied_versions``, ``unsharded``.
+``_gathered_versions``, ``_copied_versions``, ``optimizer_steps``, ``unsharded``.
 
 With CPU offload the shards are copied to the device and the all-gather is issued on
 the side stream (``fsdp2d._streams``); the copy-out waits for the copy's event.
@@ -22,15 +22,19 @@ from .. import _streams, _trace
 from .._dtensor import local_of
 from ._param import FSDPParam, is_storage
 
-_OPTIMIZER_STEPS = [0]
-
-
 def _count_step(optimizer, args, kwargs) -> None:
-    _OPTIMIZER_STEPS[0] += 1
+    """Count the step in every group whose sharded parameters ``optimizer`` holds (each
+    carries its group's counter, ``_fsdp2d_steps``): another model's optimizer (a GAN's
+    other half, an EMA copy) leaves this model's gathered copies current."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            steps = getattr(p, "_fsdp2d_steps", None)
+            if steps is not None:
+                steps[0] += 1
 
 
-# Fused optimizers update parameters without bumping their version counters, so every
-# torch optimizer step is counted too: an unsharded copy gathered before a step is stale.
+# Fused optimizers update parameters without bumping their version counters, so torch
+# optimizer steps are counted too: an unsharded copy gathered before a step is stale.
 register_optimizer_step_post_hook(_count_step)
 
 
@@ -64,10 +68,11 @@ class Unshard:
         parameter itself (an in-place op on a DTensor, ``p.mul_()`` or ``p.copy_(ema)``
         through a reference an optimizer or an EMA helper holds, bumps the DTensor's
         counter only: DTensor runs the op on its local tensor below autograd); optimizer
-        steps (fused ones included) are counted globally. (FSDP1's flat parameter is a
-        DTensor too: its own counter counts.)"""
+        steps (fused ones included) of optimizers holding this group's parameters are
+        counted (:func:`_count_step`). (FSDP1's flat parameter is a DTensor too: its own
+        counter counts.)"""
         flat = () if self.flat_param is None else (self.flat_param._version,)
-        return (_OPTIMIZER_STEPS[0], *(f._version for f in self.flats.values()), *flat,
+        return (self.optimizer_steps[0], *(f._version for f in self.flats.values()), *flat,
                 *(p.expected_local._version for p in self.params), *(p.sharded._version for p in self.params))
 
     @property

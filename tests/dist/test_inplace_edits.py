@@ -18,6 +18,11 @@ while the shards kept the old values, and the next gather filled a storage no mo
 held, so an optimizer step stepped shards without the edit (data_assigned_after_forward:
 [0, 0, 0] while the module kept computing with ``t``, then 2.8e-3 after one SGD step).
 
+Another model's optimizer step leaves this model's gathered copies current: steps are
+counted per group, for the groups whose parameters the optimizer holds. Before, one
+process-wide count made the write-back refuse ("its shards changed too") in
+parameters_after_another_models_step.
+
 Measured on this test before the issue 30 fix (three forwards each; the SGD step after
 them came later): refs after a forward [1.22, 0, 0] (the root's stale gathered copy used
 once), parameters after a forward [0, 1.22, 1.22] and with set_reshard_after_backward(False)
@@ -43,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from . import _parity as P
 
 FLOWS = ("refs_after_forward", "parameters_after_forward", "parameters_no_reshard_after_backward",
-         "parameters_after_unshard", "data_assigned_after_forward")
+         "parameters_after_unshard", "data_assigned_after_forward", "parameters_after_another_models_step")
 
 
 def _edit(params, ref_params) -> None:
@@ -74,6 +79,12 @@ def job_edits(flow: str) -> list[float]:
         model.set_reshard_after_backward(False)
         model(x).sum().backward()
         _edit(list(model.parameters()), list(ref.parameters()))  # every group's gathered copies
+    elif flow == "parameters_after_another_models_step":
+        model(x)
+        other = torch.nn.Linear(2, 2)  # a GAN's other half, an EMA copy: its own optimizer
+        other(torch.ones(1, 2)).sum().backward()
+        torch.optim.AdamW(other.parameters(), fused=True).step()
+        _edit(list(model.parameters()), list(ref.parameters()))  # not stale: written back
     elif flow == "parameters_after_unshard":
         model.layers[0].unshard()
         _edit(list(model.layers[0].parameters()), list(ref.layers[0].parameters()))
@@ -137,6 +148,20 @@ def job_refused() -> dict:
             model(x)
     except RuntimeError as e:
         out["dtype"] = str(e)
+    # a fused optimizer step of this model's own parameters moves no version counter: its
+    # count (per group) still makes the gathered copy stale
+    model = P.build("llama").double()
+    P.parallelize(model, P.Setup(model="llama", mesh=(2, 2), names=("dp", "tp")))
+    model.set_reshard_after_backward(False)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)  # (the sharded DTensors: built resharded)
+    model(x).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        model.output.weight.mul_(2)  # the gathered copy, from before the step
+    try:
+        model.reshard()
+    except RuntimeError as e:
+        out["fused_step"] = str(e)
     return out
 
 
@@ -144,6 +169,7 @@ def test_edits_that_cannot_be_kept_raise_naming_the_parameter(pool):
     for r in pool.run(job_refused):
         assert "'tok_embeddings.weight'" in r.get("both", "") and "stale copy" in r["both"], r
         assert "'output.weight'" in r.get("dtype", "") and "torch.float32" in r["dtype"], r
+        assert "'output.weight'" in r.get("fused_step", "") and "stale copy" in r["fused_step"], r
 
 
 class _Mixed(torch.nn.Module):
