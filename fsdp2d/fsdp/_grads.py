@@ -233,13 +233,22 @@ class GradReduction:
         with side, _trace.span("offload_copy", self.label):
             for h in hosts.values():
                 h.copy_(out[:self.total], non_blocking=True)
-        self.wait_offload()  # (an earlier copy of this group's not waited for: none in a normal step)
+        self._wait_grad_copies()  # (an earlier copy of this group's not waited for: none in a normal step)
         self.offload_event = (side.record_event(), out)
         return hosts
 
     def wait_offload(self) -> None:
         """Block the host until this group's gradient copies to the CPU are done, then
-        release what they read."""
+        release what they read. The copies out of the host shards came earlier on the same
+        side stream: done too. (A group without gradient copies, all frozen, waits for
+        those by themselves.)"""
+        if self.offload_event is not None:
+            self._wait_grad_copies()
+            self.host_reads_done()
+        else:
+            self.wait_host_reads()
+
+    def _wait_grad_copies(self) -> None:
         if self.offload_event is not None:
             self.offload_event[0].synchronize()
             self.offload_event = None

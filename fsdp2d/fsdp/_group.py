@@ -96,6 +96,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         # CPU offload: (side-stream event, tensors it reads) of the gradient copies to the
         # host in flight (see finish_reduce), held until the event is waited for
         self.offload_event: tuple[Any, Any] | None = None
+        self.host_reads: Any = None  # CPU offload: the side stream's event after the last copy out of the shards
         self.grads_ready = 0
         self.num_trainable = 0  # set by _sync_requires_grad
         # With frozen parameters: the module's forward inputs still awaiting their
@@ -263,6 +264,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         ``load_state_dict(assign=True)`` just put there."""
         if self.unsharded or self._gather is not None:
             self.reshard()
+        self.wait_host_reads()  # (load_state_dict writes the host shards: see Unshard.wait_host_reads)
 
     def register_unsharded(self) -> None:
         for p in self.params:

@@ -11,11 +11,12 @@ the side stream (``fsdp2d._streams``); the copy-out waits for the copy's event.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .. import _collectives as C
 from .. import _streams, _trace
@@ -36,6 +37,20 @@ def _count_step(optimizer, args, kwargs) -> None:
 # Fused optimizers update parameters without bumping their version counters, so torch
 # optimizer steps are counted too: an unsharded copy gathered before a step is stale.
 register_optimizer_step_post_hook(_count_step)
+
+# Groups whose copies out of the host shards (CPU offload) may still be reading them.
+_HOST_READS: "weakref.WeakSet[Unshard]" = weakref.WeakSet()
+
+
+def _wait_host_reads(optimizer, args, kwargs) -> None:
+    """Before any optimizer step: an optimizer on the host writes the shards in place,
+    which a copy to the device still in flight (a forward with no backward after it:
+    backward's end waits for them) would read half-written. Empty in a training step."""
+    for group in list(_HOST_READS):
+        group.wait_host_reads()
+
+
+register_optimizer_step_pre_hook(_wait_host_reads)
 
 
 class Unshard:
@@ -111,7 +126,24 @@ class Unshard:
             if work is None:
                 with side:
                     work = C.all_gather_into(out, send, self.shard_group, async_op=True)
-        return _Gather(work, out, send, side.record_event() if offloading else None)
+        ready = side.record_event() if offloading else None
+        if ready is not None:  # the host must not write the shards before the copy read them
+            self.host_reads = ready
+            _HOST_READS.add(self)
+        return _Gather(work, out, send, ready)
+
+    def wait_host_reads(self) -> None:
+        """Block the host until the copies out of this group's host shards are done (CPU
+        offload), before it writes them: an optimizer step (see :func:`_wait_host_reads`),
+        ``load_state_dict`` and ``state_dict`` (``to_rest``). A no-op without one in flight."""
+        if self.host_reads is not None:
+            self.host_reads.synchronize()
+            self.host_reads_done()
+
+    def host_reads_done(self) -> None:
+        """The side stream ran past the copies' event (events on one stream complete in order)."""
+        self.host_reads = None
+        _HOST_READS.discard(self)
 
     def wait_unshard(self) -> None:
         gather = self._gather
@@ -160,9 +192,13 @@ class Unshard:
 
     def reshard(self) -> None:
         if self._gather is not None:  # finish the collective, drop what it brought
-            work, self._gather = self._gather.work, None  # first: see wait_unshard
-            if work is not None:
-                work.wait()
+            gather, self._gather = self._gather, None  # first: see wait_unshard
+            if gather.work is not None:
+                gather.work.wait()
+            if gather.ready is not None:  # (CPU offload) the send buffer goes back to the compute
+                # stream's pool while the side stream may still be copying into it (with one
+                # shard there is no collective whose wait would order it)
+                _streams.current_stream(self.compute_device).wait_event(gather.ready)
         edited = self._edited_unsharded() if self.unsharded else []
         if edited:
             self._write_back(edited)

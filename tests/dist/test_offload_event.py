@@ -98,14 +98,10 @@ def _touches(ptrs: list[int], ranges: list[tuple[int, int]]) -> bool:
     return any(a <= p < b for p in ptrs for a, b in ranges)
 
 
-def job_offload_streams() -> dict:
-    torch.set_num_threads(1)
-    s = P.Setup(model="llama", mesh=(4,), names=("dp",))
-    plain = P.build("llama")
-    offloaded = copy.deepcopy(plain)
-    for model in (plain, offloaded):
-        P.parallelize(model, s)
-    groups = list({id(m._fsdp2d_fsdp.group): m._fsdp2d_fsdp.group for m in offloaded.modules()
+def _offload_with_recorders(model) -> tuple[list, _Streams, tuple]:
+    """Force the offload path on ``model``'s groups and put recorders in place of the
+    streams; returns (groups, recorders, the real stream functions to put back)."""
+    groups = list({id(m._fsdp2d_fsdp.group): m._fsdp2d_fsdp.group for m in model.modules()
                    if isinstance(m, fsdp2d.FSDPModule)}.values())
     for g in groups:
         g._offloading = lambda device: True
@@ -113,6 +109,17 @@ def job_offload_streams() -> dict:
     streams.groups = groups
     real = _streams.side_stream, _streams.current_stream
     _streams.side_stream, _streams.current_stream = (lambda d: streams.side), (lambda d: streams.current)
+    return groups, streams, real
+
+
+def job_offload_streams() -> dict:
+    torch.set_num_threads(1)
+    s = P.Setup(model="llama", mesh=(4,), names=("dp",))
+    plain = P.build("llama")
+    offloaded = copy.deepcopy(plain)
+    for model in (plain, offloaded):
+        P.parallelize(model, s)
+    groups, streams, real = _offload_with_recorders(offloaded)
     out = {"groups": len(groups)}
     try:
         x, y = P.batch_for(0, s)
@@ -168,3 +175,59 @@ def test_offload_copies_run_on_the_side_stream(pool):
         assert r["accumulate_syncs"] == [(("side", "record", None), ("side", "synchronize", "held"))] * n
         assert r["grads_kept"]
         assert r["grad_err"] == 0.0
+
+
+def job_offload_host_writes() -> dict:
+    """What orders the host's writes to the host shards after the copies out of them:
+    a gather dropped unused, and a forward that no backward follows."""
+    from fsdp2d.fsdp import _unshard
+
+    torch.set_num_threads(1)
+    s = P.Setup(model="llama", mesh=(4,), names=("dp",))
+    model = P.build("llama")
+    P.parallelize(model, s)
+    groups, streams, real = _offload_with_recorders(model)
+    out = {"groups": len(groups)}
+    try:
+        x, y = P.batch_for(0, s)
+        # a prefetch nobody waits for, dropped: its send buffer returns to the compute
+        # stream's pool, so the compute stream must wait for the copy into it first
+        model.layers[1].unshard(async_op=True)
+        mark = len(streams.log)
+        model.layers[1].reshard()
+        out["drop"] = streams.log[mark - 1:]
+        # a forward with no backward, then the host writes the shards: an optimizer step
+        with torch.no_grad():
+            model(x[:2])
+        out["pending"] = len(getattr(_unshard, "_HOST_READS", "?"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        F.cross_entropy(model(x[:2]).flatten(0, 1), y[:2].flatten()).backward()
+        out["pending_after_backward"] = len(getattr(_unshard, "_HOST_READS", "?"))  # backward's end waited for them
+        with torch.no_grad():
+            model(x[:2])
+        mark = len(streams.log)
+        opt.step()
+        out["step"] = streams.log[mark:]
+        with torch.no_grad():
+            model(x[:2])
+        mark = len(streams.log)
+        model.load_state_dict(model.state_dict())
+        out["load"] = streams.log[mark:]
+        out["pending_end"] = len(getattr(_unshard, "_HOST_READS", "?"))
+    finally:
+        _streams.side_stream, _streams.current_stream = real
+    return out
+
+
+def test_host_writes_wait_for_the_copies_out_of_the_shards(pool):
+    """Before the fix: a dropped gather left no wait (drop ended at its record), and after
+    a forward with no backward nothing waited for its copies before an optimizer step or
+    load_state_dict wrote the pinned shards."""
+    for r in pool.run(job_offload_host_writes):
+        n = r["groups"]
+        assert r["drop"] == [("side", "record", None), ("current", "wait_event", "side")], r["drop"]
+        assert r["pending"] == n and r["pending_after_backward"] == 0, r
+        # each group's last copy out of its shards, waited for by the host before the step writes
+        assert [e[:2] for e in r["step"]] == [("side", "synchronize")] * n, r["step"]
+        assert [e[:2] for e in r["load"] if e[1] == "synchronize"] == [("side", "synchronize")] * n, r["load"]
+        assert r["pending_end"] == 0
