@@ -240,13 +240,12 @@ class GradReduction:
     def wait_offload(self) -> None:
         """Block the host until this group's gradient copies to the CPU are done, then
         release what they read. The copies out of the host shards came earlier on the same
-        side stream: done too. (A group without gradient copies, all frozen, waits for
-        those by themselves.)"""
+        side stream: done too. (Without gradient copies, a frozen group's or in a backward
+        without gradient sync, they stay pending: a host write waits for them, see
+        ``Unshard.wait_host_reads``; no host sync here that the step did not have.)"""
         if self.offload_event is not None:
             self._wait_grad_copies()
             self.host_reads_done()
-        else:
-            self.wait_host_reads()
 
     def _wait_grad_copies(self) -> None:
         if self.offload_event is not None:
