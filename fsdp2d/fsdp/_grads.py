@@ -235,6 +235,7 @@ class GradReduction:
                 h.copy_(out[:self.total], non_blocking=True)
         self._wait_grad_copies()  # (an earlier copy of this group's not waited for: none in a normal step)
         self.offload_event = (side.record_event(), out)
+        self._reads_before = self.host_reads  # the copies out of the shards that this event follows
         return hosts
 
     def wait_offload(self) -> None:
@@ -245,7 +246,8 @@ class GradReduction:
         ``Unshard.wait_host_reads``; no host sync here that the step did not have.)"""
         if self.offload_event is not None:
             self._wait_grad_copies()
-            self.host_reads_done()
+            if self.host_reads is self._reads_before:  # (not a gather issued after the gradient copy)
+                self.host_reads_done()
 
     def _wait_grad_copies(self) -> None:
         if self.offload_event is not None:

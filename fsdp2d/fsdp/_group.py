@@ -97,6 +97,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         # host in flight (see finish_reduce), held until the event is waited for
         self.offload_event: tuple[Any, Any] | None = None
         self.host_reads: Any = None  # CPU offload: the side stream's event after the last copy out of the shards
+        self._reads_before: Any = None  # host_reads when the gradient copy's event was recorded
         self.grads_ready = 0
         self.num_trainable = 0  # set by _sync_requires_grad
         # With frozen parameters: the module's forward inputs still awaiting their
