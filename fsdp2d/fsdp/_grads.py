@@ -15,6 +15,7 @@ import torch
 
 from .. import _collectives as C
 from .. import _streams, _trace
+from .._division import Division, division
 from .._dtensor import as_dtensor, local_of
 
 
@@ -75,10 +76,10 @@ class GradReduction:
             self._reduce = (work, out, all_had, self.replicate_group is None)
         self.needs_reduce = False
 
-    def _division(self) -> C.Division:
+    def _division(self) -> Division:
         """How the gradients' sum over the data-parallel ranks is divided by
-        ``divide_factor`` (torch FSDP2's rule, see :func:`fsdp2d._collectives.division`)."""
-        return C.division(self.divide_factor, self.reduce_dtype, self.force_sum)
+        ``divide_factor`` (torch FSDP2's rule, see :func:`fsdp2d._division.division`)."""
+        return division(self.divide_factor, self.reduce_dtype, self.force_sum)
 
     def _pack_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """The reduce-scatter input ``(k, total + n)``: every parameter's gradient in its

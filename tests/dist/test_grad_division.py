@@ -4,7 +4,7 @@ torch FSDP2 divides a float16 gradient sum around the collectives
 (``_get_gradient_divide_factors``): by a power of two near sqrt(N) before the
 reduce-scatter, by the rest after the last collective (HSDP: after the all-reduce), and
 with ``set_force_sum_reduction_for_comms`` after the last collective too. fsdp2d follows
-the same split (``fsdp2d._collectives.division``), so the reduced gradients are the same
+the same split (``fsdp2d._division.division``), so the reduced gradients are the same
 bits: every case below sums the same operands in the same order on both sides (groups of
 2 ranks, or equal values on every rank), and its divisions are the same numbers.
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp2d
-from fsdp2d import _collectives as C
+from fsdp2d import _division as D
 from fsdp2d.debug import OpCounter
 from fsdp2d.train import metrics
 from fsdp2d.train.optim import adamw_kind
@@ -109,9 +109,9 @@ def test_gradient_average_is_inside_the_collective_where_the_backend_has_it(monk
     """(divide before, the collective's op, divide after) for one collective, as torch
     FSDP2's ``_get_gradient_divide_factors`` splits it."""
     group = _Group(8)
-    monkeypatch.setattr(C, "_backend", lambda g: backend)
-    d = C.division(divide, dtype, force)
-    op, after = C.reduce_op(group, d.within, torch.zeros(1, dtype=dtype))
+    monkeypatch.setattr(D, "_backend", lambda g: backend)
+    d = D.division(divide, dtype, force)
+    op, after = D.reduce_op(group, d.within, torch.zeros(1, dtype=dtype))
     name = "PREMUL_SUM" if not isinstance(op, dist.ReduceOp.RedOpType) else op.name
     assert (d.pre, name, after * d.post) == want
 
@@ -125,7 +125,7 @@ def test_division_splits_as_torch_fsdp2(dtype, force):
 
     for factor in range(2, 65):
         pre, post, _, _ = _get_gradient_divide_factors(_Group(factor), None, dtype, "cuda", float(factor), force)
-        d = C.division(float(factor), dtype, force)
+        d = D.division(float(factor), dtype, force)
         assert (d.pre, d.within, d.post) == (pre or 1.0, 1.0, post), (factor, d, pre, post)
 
 
