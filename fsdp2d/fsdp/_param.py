@@ -166,9 +166,7 @@ class FSDPParam:
         rows = padded[:self.unsharded_shape[0] * self.row_numel].view(self.unsharded_shape)
         self._rows = rows.detach()  # (views stay valid while the storage is freed and refilled)
         if self.tp_spec is not None:  # the module computes on DTensors (TP torch applied)
-            meta = self.tp_spec.tensor_meta
-            spec = DTensorSpec(self.tp_spec.mesh, self.tp_spec.placements, TensorMeta(meta.shape, meta.stride, dtype))
-            rows = as_dtensor(rows, spec)
+            rows = as_dtensor(rows, self._unsharded_spec(dtype))
         self.unsharded = nn.Parameter(rows, requires_grad=self.requires_grad)
         self.unsharded_storage = storage_of(self.unsharded)  # plain: the padded storage itself
         mark_transient(self.unsharded, self.fqn)
@@ -179,23 +177,12 @@ class FSDPParam:
         self._padded_rows: tuple[torch.Tensor, ...] | None = None  # see padded_row
         self.free_unsharded()
 
-    def data_assigned(self) -> str | None:
-        """Which copy had its ``.data`` assigned since fsdp2d made it: "sharded",
-        "unsharded" or None (see :func:`storage_of`)."""
-        if not is_storage(self.sharded, self.sharded_storage):
-            return "sharded"
-        if self.unsharded is not None and not is_storage(self.unsharded, self.unsharded_storage):
-            return "unsharded"
-        return None
-
-    def assigned_unsharded(self) -> torch.Tensor | None:
-        """The tensor ``unsharded.data = t`` put in place of the gathered rows: ``t`` when
-        it can be read as them (plain, of the unsharded shape, on its device; its dtype is
-        checked by the write-back), else None (a DTensor keeps its old local tensor)."""
+    def assigned_readable(self) -> bool:
+        """Whether the tensor ``unsharded.data = t`` put in place of the gathered rows can
+        be read as them: plain, of the unsharded shape, on their device (its dtype is the
+        write-back's to check). Not on a DTensor: it keeps its old local tensor."""
         u = self.unsharded
-        if self.tp_spec is not None or tuple(u.shape) != self.unsharded_shape or u.device != self.padded.device:
-            return None
-        return u.detach()
+        return self.tp_spec is None and tuple(u.shape) == self.unsharded_shape and u.device == self.padded.device
 
     def restore_unsharded(self) -> None:
         """Point the unsharded parameter at its padded storage again after a ``.data``
@@ -203,14 +190,14 @@ class FSDPParam:
         (TP torch applied) gets a fresh wrapper of its spec around the same local rows."""
         u = self.unsharded
         with torch.no_grad():
-            if self.tp_spec is not None:
-                meta = self.tp_spec.tensor_meta
-                spec = DTensorSpec(self.tp_spec.mesh, self.tp_spec.placements,
-                                   TensorMeta(meta.shape, meta.stride, self.padded.dtype))
-                u.data = as_dtensor(u._local_tensor, spec)
-            else:
-                u.data = self._rows
+            u.data = self._rows if self.tp_spec is None else \
+                as_dtensor(u._local_tensor, self._unsharded_spec(self.padded.dtype))
         self.unsharded_storage = storage_of(u)
+
+    def _unsharded_spec(self, dtype: torch.dtype) -> DTensorSpec:
+        """The spec of a DTensor unsharded parameter (TP torch applied) in ``dtype``."""
+        meta = self.tp_spec.tensor_meta
+        return DTensorSpec(self.tp_spec.mesh, self.tp_spec.placements, TensorMeta(meta.shape, meta.stride, dtype))
 
     def restore_sharded(self) -> None:
         """Undo a ``sharded.data = t`` (lost anyway: see :func:`storage_of`): the DTensor's

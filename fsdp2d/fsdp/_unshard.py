@@ -23,6 +23,7 @@ from .. import _streams, _trace
 from .._dtensor import local_of
 from ._param import FSDPParam, is_storage
 
+
 def _count_step(optimizer, args, kwargs) -> None:
     """Count the step in every group whose sharded parameters ``optimizer`` holds (each
     carries its group's counter, ``_fsdp2d_steps``): another model's optimizer (a GAN's
@@ -214,7 +215,7 @@ class Unshard:
         ``unshard()``): in place (its version counter moved) or by ``p.data = t`` (it
         points at another storage). An in-place edit through ``p.data`` moves no counter
         fsdp2d can read (``.data`` is an alias with a counter of its own) and is not seen:
-        docs/architecture.md, "Edits while gathered"."""
+        docs/architecture.md, "Edits while a group is gathered"."""
         return [p for p, v in zip(self.params, self._copied_versions)
                 if p.unsharded._version != v or not is_storage(p.unsharded, p.unsharded_storage)]
 
@@ -257,11 +258,11 @@ class Unshard:
             return edited[0], ("its shards changed too since they were gathered (an optimizer step, a load, or an "
                                "edit through the sharded parameter), so the edit was made to a stale copy")
         for q in assigned:
-            if q.assigned_unsharded() is None:
+            if not q.assigned_readable():
                 u = q.unsharded
-                return q, (f"its .data was assigned a {type(u).__name__} of shape {tuple(u.shape)} on {u.device}, "
-                           f"which is not the gathered copy's {q.unsharded_shape} on {q.padded.device} "
-                           f"{'(a DTensor keeps its old local tensor)' if q.tp_spec is not None else ''}")
+                why = (f"its .data was assigned a {type(u).__name__} of shape {tuple(u.shape)} on {u.device}, "
+                       f"which is not the gathered copy's {q.unsharded_shape} on {q.padded.device}")
+                return q, why + (" (a DTensor keeps its old local tensor)" if q.tp_spec is not None else "")
         for q in edited:
             if q.unsharded.dtype != q.sharded.dtype:
                 if any(q is a for a in assigned):
