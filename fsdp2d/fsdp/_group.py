@@ -90,6 +90,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         self.requires_sync = True
         self.reshard_after_forward = True
         self.reshard_after_backward = True
+        self.unshard_in_backward = True  # FSDPModule.set_unshard_in_backward
         self.unsharded = False
         self._gather: _Gather | None = None
         self._reduce: tuple[Any, torch.Tensor] | None = None
@@ -130,6 +131,12 @@ class FSDPParamGroup(Unshard, GradReduction):
         if isinstance(self.offload, CPUOffloadPolicy) and self.mesh_device.type != "cpu":
             source = torch.device("cpu") if initial and device.type not in ("cpu", "meta") else device
             store, device = offload_placement([p.fqn for p in self.params], source, self.mesh_device)
+        elif device.type not in ("meta", self.mesh_device.type):
+            names = ", ".join(p.fqn for p in self.params[:4]) + (" ..." if len(self.params) > 4 else "")
+            raise RuntimeError(f"fully_shard({self.label or '<root>'}): parameters {names} are on {device}, but the "
+                               f"mesh's collectives run on {self.mesh_device.type}; move the model before fully_shard "
+                               f"(or materialise it with to_empty(device={self.mesh_device.type!r})), or build the "
+                               f"mesh on {device.type}")
         current_dtypes = {p.module._parameters[p.name].dtype for p in self.params}
         if len(current_dtypes) > 1 and self.mp.param_dtype is None:
             raise ValueError(f"fully_shard({self.fqn}): parameters now have mixed dtypes {sorted(map(str, current_dtypes))}; "
