@@ -69,6 +69,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         self.label = fqn  # its module path once the root knows it (profiler ranges, errors)
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.k = C.group_size(shard_group)
+        self.has_ext = any(p.ext is not None for p in params)  # gathers bytes: see _unshard
         self.dp_size = self.k * C.group_size(replicate_group)
         self.divide_factor = float(self.dp_size)  # set_gradient_divide_factor: 1.0 sums gradients
         self.force_sum = False  # set_force_sum_reduction_for_comms: SUM, then a division of its own
@@ -128,6 +129,10 @@ class FSDPParamGroup(Unshard, GradReduction):
         on the host (at ``fully_shard`` a model on the accelerator moves there, as torch's;
         later, see :func:`offload_placement`) and the group computes on the mesh's device."""
         store = device
+        if isinstance(self.offload, CPUOffloadPolicy) and any(p.ext is not None for p in self.params):
+            p = next(p for p in self.params if p.ext is not None)
+            raise NotImplementedError(f"fully_shard: parameter {p.fqn!r} ({p.ext.cls.__name__}) uses FSDP2's "
+                                      f"all-gather extension, which fsdp2d does not combine with CPUOffloadPolicy")
         if isinstance(self.offload, CPUOffloadPolicy) and self.mesh_device.type != "cpu":
             source = torch.device("cpu") if initial and device.type not in ("cpu", "meta") else device
             store, device = offload_placement([p.fqn for p in self.params], source, self.mesh_device)
@@ -159,17 +164,18 @@ class FSDPParamGroup(Unshard, GradReduction):
             with torch.no_grad():
                 src = _shard_source(p, current)
                 if src.device.type != "meta" and store.type != "meta":
-                    view.copy_(src)
+                    view.copy_(p.ext.data_of(src) if p.ext is not None else src)
+            local = p.ext.wrap(view) if p.ext is not None else view  # the subclass around our rows
             spec, old = p.spec(current.dtype), p.sharded
             if isinstance(current, DTensor) and isinstance(current, torch.nn.Parameter) and current._spec == spec:
-                current._local_tensor = view  # keep the object the optimizer may already hold
+                current._local_tensor = local  # keep the object the optimizer may already hold
                 p.sharded = current
             else:
-                p.sharded = torch.nn.Parameter(as_dtensor(view, spec), requires_grad=p.requires_grad)
+                p.sharded = torch.nn.Parameter(as_dtensor(local, spec), requires_grad=p.requires_grad)
                 mark_replaced(current, p.fqn, "fully_shard")
             if old is not current and old is not p.sharded:
                 mark_replaced(old, p.fqn, "to_empty(), .to() or load_state_dict(assign=True) on the model")
-            p.expected_local = view
+            p.expected_local = local
             p.register("sharded")
             for owner, _ in [(p.module, p.name), *p.aliases]:
                 install_rest_hooks(owner, self.to_rest)
@@ -200,6 +206,8 @@ class FSDPParamGroup(Unshard, GradReduction):
             return False
         if current is not p.sharded:
             return True
+        if p.ext is not None:  # a subclass has no storage of its own to compare: the object
+            return local_of(current) is not p.expected_local or current.dtype not in self.flats
         return not _same_storage(local_of(current), p.expected_local) or current.dtype not in self.flats
 
     def _send_buffer(self, dtype: torch.dtype) -> torch.Tensor:
