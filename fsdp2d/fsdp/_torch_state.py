@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
-__all__ = ["StateView", "GroupView", "view_of", "plant"]
+__all__ = ["StateView", "GroupView", "view_of", "plant", "state_view"]
 
 # contract() keys a module's states by the undecorated function (functools.wraps keeps it)
 _STATE_FN = _torch_fully_shard.__wrapped__
@@ -122,8 +122,20 @@ class StateView(_View):
         return [view_of(s) for s in self._target.backward_prefetch or ()]
 
     def _lazy_init(self) -> None:
-        if self._target.ctx is None:
-            self._target._lazy_init()
+        """Make this state the root of the states under its module (a no-op once done).
+        Called explicitly (torch's API) it refuses what torch's refuses; fsdp2d's own first
+        forward makes whichever module runs first the root."""
+        state = self._target
+        if state.ctx is not None:
+            return
+        if len(state.modules) > 1:
+            raise RuntimeError(f"FSDP requires a single root module but got {state.modules}")
+        for path, m in state.module.named_modules():
+            inner = m.__dict__.get("_fsdp2d_fsdp")
+            if inner is not None and inner is not state and inner.ctx is not None:
+                raise RuntimeError(f"FSDP state has already been lazily initialized for {path}\n"
+                                   f"FSDP requires running forward through the root module first")
+        state._lazy_init()
 
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._lazy_init()
@@ -191,6 +203,15 @@ class GroupView(_View):
         return _COMM_CONTEXT
 
     @property
+    def fsdp_params(self) -> list["ParamView"]:
+        state = self._target
+        paths: dict[int, str] = {}
+        if state.ctx is not None:  # fqns from the root, as torch's _param_fqn
+            root = next((s for s in state.ctx.states if s.is_root), state)
+            paths = {id(m): name for name, m in root.module.named_modules()}
+        return [ParamView((p, paths.get(id(p.unit)))) for p in self._group.params]
+
+    @property
     def is_unsharded(self) -> bool:
         return bool(self._group.unsharded)
 
@@ -251,6 +272,26 @@ class GroupView(_View):
             group.reshard()
 
 
+class ParamView(_View):
+    """One parameter of a group: its sharded and unsharded parameters and its name."""
+
+    __slots__ = ()
+    _kind = "parameter"
+
+    @property
+    def _param_fqn(self) -> str:
+        p, prefix = self._target
+        return f"{prefix}.{p.fqn}" if prefix else p.fqn
+
+    @property
+    def sharded_param(self) -> Any:
+        return self._target[0].sharded
+
+    @property
+    def unsharded_param(self) -> Any:
+        return self._target[0].unsharded
+
+
 def view_of(state: Any) -> StateView:
     """The one :class:`StateView` of an fsdp2d ``FSDPState``."""
     view = state.__dict__.get("view")
@@ -265,3 +306,9 @@ def plant(module: nn.Module, state: Any) -> None:
     states = module.__dict__.setdefault(STATE_KEY, OrderedDict())
     states[_STATE_FN] = view_of(state)
     module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())["fully_shard"] = RegistryItem()
+
+
+def state_view(module: nn.Module) -> StateView | None:
+    """``fsdp2d.fully_shard.state(module)``, as torch's ``fully_shard.state``: the view of
+    the state of the ``fully_shard`` call that sharded ``module``, None if none did."""
+    return module.__dict__.get(STATE_KEY, {}).get(_STATE_FN)

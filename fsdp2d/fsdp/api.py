@@ -12,7 +12,7 @@ Parameters at rest are DTensor shards; their 2D layouts (TP-major) are available
 from __future__ import annotations
 
 import warnings
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from ._module import FSDPModule, UnshardHandle, fsdp_class
 from ._param import FSDPParam
 from ._state import FSDPState
 from ._summon import summon_full_params
-from ._torch_state import plant
+from ._torch_state import plant, state_view
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "fsdp_params", "summon_full_params"]
 
@@ -64,9 +64,10 @@ def _managed(module: nn.Module, prefix: str = "", ignored: frozenset[int] = froz
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                reshard_after_forward: bool | None = None, shard_placement_fn: Callable | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None) -> nn.Module | list[nn.Module]:
+                ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters along dim 0 over the data axis of ``mesh``.
 
     Args:
@@ -84,7 +85,13 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             mesh. Default: the whole world as one data axis.
         reshard_after_forward: free the unsharded parameters after forward and
             all-gather again in backward (less memory, one more all-gather per group).
-            The root keeps them (they are needed first in backward).
+            The root keeps them (they are needed first in backward). ``None`` (torch's
+            default) is ``True``; an ``int`` (torch: reshard to a smaller group) raises
+            NotImplementedError.
+        shard_placement_fn: as torch's, called on each parameter; fsdp2d shards dim 0
+            only, so it may return None or ``Shard(0)``; another dim raises
+            NotImplementedError naming the parameter (an invalid one, torch's AssertionError).
+        dp_mesh_dims: torch's SPMD-mesh mode; only None is supported (NotImplementedError).
         mp_policy: parameter / reduce / output dtypes (:class:`MixedPrecisionPolicy`).
         offload_policy: :class:`CPUOffloadPolicy` keeps shards on the CPU (CUDA runs).
         ignored_params: parameters to leave alone (as torch): not sharded, not moved,
@@ -108,16 +115,20 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
         _check_shardable(m)
+    reshard_after_forward = _check_options(reshard_after_forward, dp_mesh_dims)
     mesh = mesh if mesh is not None else _world_mesh()
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard got a {type(mesh).__module__}.{type(mesh).__name__} as mesh; pass a torch "
                         f"DeviceMesh (fsdp2d.init_device_mesh or torch's), e.g. mesh['dp']")
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard needs a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh!r}")
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh!r}: a 1-D (shard) or 2-D "
+                         f"(replicate, shard) mesh")
     if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type == "cpu":
         warnings.warn("CPUOffloadPolicy on a CPU mesh: shards already live on the CPU; nothing to offload",
                       stacklevel=2)
     ignored = frozenset(id(p) for p in ignored_params or ())
+    if shard_placement_fn is not None:
+        _check_placements(modules, ignored, shard_placement_fn)
     params = _fsdp_params_of(modules, mesh, ignored)
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     name = "+".join(type(m).__name__ for m in modules)
@@ -140,6 +151,14 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     return module
 
 
+fully_shard.state = state_view  # torch's fully_shard.state(module) (the view of _torch_state), or None
+
+
+class AlreadySharded(ValueError, AssertionError):
+    """``fully_shard`` applied twice to one module: a ValueError (fsdp2d's refusals) that is
+    also torch's type for it (an AssertionError from its composable-API contract)."""
+
+
 def _managed_modules(modules: list[nn.Module]) -> Iterator[nn.Module]:
     """The modules of ``modules``' trees that no inner ``fully_shard`` manages (the ones
     torch marks ``_is_fsdp_managed_module``)."""
@@ -148,6 +167,44 @@ def _managed_modules(modules: list[nn.Module]) -> Iterator[nn.Module]:
         m = stack.pop()
         yield m
         stack.extend(c for c in m.children() if not isinstance(c, FSDPModule))
+
+
+def _check_options(reshard_after_forward: Any, dp_mesh_dims: Any) -> bool:
+    """torch's keywords fsdp2d does not implement: refused, never ignored."""
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fully_shard(dp_mesh_dims=...) (torch's SPMD-mesh mode) is not supported by fsdp2d: "
+                                  "apply TP on mesh['tp'] and pass mesh=mesh['dp']")
+    if reshard_after_forward is None:
+        return True
+    if not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"fully_shard(reshard_after_forward={reshard_after_forward!r}): resharding to a "
+                                  f"smaller group after forward is not supported by fsdp2d; pass True or False")
+    return reshard_after_forward
+
+
+def _check_placements(modules: list[nn.Module], ignored: frozenset[int], fn: Callable) -> None:
+    """``shard_placement_fn``: fsdp2d shards dim 0, so None or ``Shard(0)`` only. Every
+    placement's dim is checked first (torch's AssertionError for an invalid one)."""
+    from torch.distributed.tensor import Shard
+
+    dims = []
+    for unit in modules:
+        for fqn, owner, name in _managed(unit, "", ignored):
+            param = owner._parameters[name]
+            placement = fn(param)
+            if placement is None:
+                continue
+            if not isinstance(placement, Shard):
+                raise NotImplementedError(f"fully_shard: shard_placement_fn gave parameter {fqn!r} {placement!r}; "
+                                          f"fsdp2d shards every parameter on one mesh, along dim 0")
+            dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+            if not 0 <= dim < param.ndim:
+                raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.ndim}D tensor ({fqn!r})")
+            dims.append((fqn, dim))
+    for fqn, dim in dims:
+        if dim != 0:
+            raise NotImplementedError(f"fully_shard: shard_placement_fn gave parameter {fqn!r} Shard({dim}); "
+                                      f"fsdp2d shards dim 0 only (return None or Shard(0))")
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -161,7 +218,8 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 def _check_shardable(module: nn.Module) -> None:
     if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
+        raise AlreadySharded(f"Each distinct composable distributed API can only be applied to a module once: "
+                             f"fully_shard was already applied to this {type(module).__name__}")
     if isinstance(module, _TorchFSDPModule):
         raise ValueError(f"torch's fully_shard (or replicate) was already applied to this {type(module).__name__}; "
                          f"shard a model with one of them, fsdp2d's or torch's")

@@ -89,7 +89,7 @@ def job_identity() -> dict:
            "state": all(torch_fully_shard.state(m) is m._get_fsdp_state() for m in mods),
            "managed": all(m._is_fsdp_managed_module and m._fsdp_use_orig_params for m in model.modules()),
            "torch_on_top": capture_error(lambda: torch_fully_shard(model.layers[0], mesh=mesh["dp"])),
-           "unknown": capture_error(lambda: model._get_fsdp_state()._fsdp_param_group.fsdp_params),
+           "unknown": capture_error(lambda: model._get_fsdp_state()._fsdp_param_group._all_gather_result),
            "assign": capture_error(lambda: setattr(model._get_fsdp_state(), "_is_root", True))}
     _, _, x, _ = _batch()
     out["still_trains"] = _rel(model(x), ref(x))
@@ -114,7 +114,7 @@ def test_class_identity_and_state_view(pool):
         assert r["n"] == 3 and r["torch_class"] and r["state"] and r["managed"], r
         kind, msg = r["torch_on_top"]  # torch's own composable-API registry refuses it
         assert kind == "AssertionError" and "fully_shard has already been applied" in msg, r["torch_on_top"]
-        assert r["unknown"][0] == "AttributeError" and "'fsdp_params'" in r["unknown"][1], r["unknown"]
+        assert r["unknown"][0] == "AttributeError" and "'_all_gather_result'" in r["unknown"][1], r["unknown"]
         assert r["assign"][0] == "AttributeError" and "read-only" in r["assign"][1], r["assign"]
         assert r["still_trains"] < 1e-6
         assert r["slice"] == (True, ["FSDPBlock", "FSDPBlock"], True), r["slice"]
