@@ -17,7 +17,6 @@ placement), ``output_layouts`` any layout torch accepts for the style, and
 from __future__ import annotations
 
 import types
-import warnings
 from typing import Sequence
 
 import torch
@@ -29,6 +28,7 @@ from ..mesh import DeviceMesh
 from ..placement import Partial, Placement, Replicate, Shard
 from . import _functions as T
 from ._activations import as_output, local_input, redistribute
+from ._own_forward import dtensor_call, has_own_forward, own_forward
 from ._params import shard_parameter
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel"]
@@ -64,25 +64,6 @@ class ParallelStyle:
                 f"{type(module).__name__}: it supports nn.{names}. Use another style or "
                 f"change the plan's pattern so it does not match this module"
             )
-
-
-def _own_forward(module: nn.Module) -> bool:
-    """Whether ``module``'s class overrides ``nn.Linear``/``nn.Embedding``'s forward (e.g.
-    torchao's ``Float8Linear``, a scaled embedding)."""
-    base = nn.Linear if isinstance(module, nn.Linear) else nn.Embedding
-    return type(module).forward is not base.forward
-
-
-def _warn_local_statistics(style: str, module: nn.Module, fqn: str) -> None:
-    """(A module with its own forward.) fsdp2d runs it on this rank's TP shards as plain
-    tensors: what it computes over a whole tensor is per shard. torch's DTensor TP runs it
-    on DTensors, whose reductions (``abs().max()``) span the TP axis."""
-    name = type(module).__name__
-    warnings.warn(f"{style} on {fqn or '<root>'!r} ({name}): fsdp2d runs {name}.forward on this rank's TP shards "
-                  f"as plain tensors, so statistics it takes over a whole tensor (torchao float8's amax scales of the "
-                  f"input, weight and gradient) are per TP shard, where torch's TP takes them over the whole tensor: "
-                  f"results differ from torch's by float8 rounding; apply torch's parallelize_module to these "
-                  f"modules for torch's scales (fsdp2d's fully_shard composes with it)", UserWarning, stacklevel=4)
 
 
 def _one(layouts: Placement | Sequence[Placement] | None, default: Placement) -> Placement:
@@ -126,9 +107,11 @@ class ColwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
         is_linear = isinstance(module, nn.Linear)
-        if _own_forward(module):
-            _warn_local_statistics("ColwiseParallel", module, fqn)
         self._shard_params(module, mesh, fqn)
+        if is_linear and has_own_forward(module):  # run it as torch's TP does (see _own_forward)
+            module._fsdp2d_own_forward = dtensor_call(mesh, {"weight": Shard(0), "bias": Shard(0)}, Replicate(),
+                                                      Partial(), Shard(-1))
+            module.forward = types.MethodType(own_forward, module)
         group, in_layout, out_layout = mesh.get_group(), self.input_layout, self.output_layout
         global_out, use_local = (module.out_features if is_linear else module.embedding_dim), self.use_local_output
 
@@ -175,7 +158,7 @@ class RowwiseParallel(ParallelStyle):
         self._require(module, fqn, (nn.Linear, nn.Embedding))
         if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
             raise TypeError(f"RowwiseParallel on {fqn!r}: nn.Embedding with max_norm or sparse=True is not supported")
-        if isinstance(module, nn.Embedding) and _own_forward(module):
+        if isinstance(module, nn.Embedding) and has_own_forward(module):
             raise TypeError(f"RowwiseParallel on {fqn!r}: {type(module).__name__} overrides nn.Embedding.forward, "
                             f"which fsdp2d's vocab-parallel lookup would replace; use ColwiseParallel for it")
 
@@ -202,9 +185,9 @@ class RowwiseParallel(ParallelStyle):
         module._fsdp2d_output = lambda y: as_output(y, out_layout, mesh, self.use_local_output,
                                                     module.out_features if is_linear else module.embedding_dim)
         module.register_forward_pre_hook(pre)
-        if is_linear and _own_forward(module):  # run its forward (without the bias: added once, below)
-            _warn_local_statistics("RowwiseParallel", module, fqn)
-            module._fsdp2d_own_forward = module.forward
+        if is_linear and has_own_forward(module):  # run it as torch's TP does (see _own_forward)
+            module._fsdp2d_own_forward = dtensor_call(mesh, {"weight": Shard(1), "bias": None}, Shard(-1), Shard(-1),
+                                                      Replicate())
         module.forward = types.MethodType(_rowwise_linear_forward if is_linear else
                                           _vocab_parallel_embedding_forward, module)
 
@@ -227,12 +210,8 @@ def _rowwise_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     own = self.__dict__.get("_fsdp2d_own_forward")
     if own is None:
         partial = F.linear(x, self.weight)
-    else:  # a Linear subclass's own computation (torchao Float8Linear's float8 matmul), bias hidden
-        bias, self._parameters["bias"] = self._parameters.get("bias"), None
-        try:
-            partial = own(x)
-        finally:
-            self._parameters["bias"] = bias
+    else:  # a Linear subclass's own forward (torchao Float8Linear), on DTensors; the bias is added below
+        partial = own(self, x)
     y = self._fsdp2d_reduce(partial)  # partial sums -> output layout
     bias = None if self.bias is None else self._fsdp2d_bias(self.bias, y.ndim)
     return self._fsdp2d_output(y if bias is None else y + bias)
