@@ -11,12 +11,17 @@ harness always do).
 
 On CPU upstream runs its ``FSDPTestMultiThread`` classes (ranks are threads of one
 process over torch's threaded process group); its multi-process ``FSDPTest`` classes
-need GPUs (``skip_if_lt_x_gpu``). So the multi-threaded classes run here the same way, in
-the test process, through ``unittest``; the others are collected and not run.
+need GPUs (``skip_if_lt_x_gpu``). So the multi-threaded classes run here the same way,
+through ``unittest``, in one fresh process for the whole session (``python -m
+tests.dist._upstream_fsdp``: the threaded process groups and the harness stay out of the
+pytest process, which later forks); the tests are collected from the files' AST.
 """
 
 from __future__ import annotations
 
+import ast
+import json
+import sys
 import types
 import unittest
 
@@ -44,19 +49,13 @@ def load(file: str, flavour: str) -> types.ModuleType:
     return _upstream.load(TESTS / file, flavour, SWITCHES, KEEP_TORCH)
 
 
-def _classes(module: types.ModuleType, threaded: bool) -> list[type]:
-    from torch.testing._internal.common_distributed import MultiProcessTestCase, MultiThreadedTestCase
-
-    base = MultiThreadedTestCase if threaded else MultiProcessTestCase
-    return [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, base)
-            and c.__module__ == module.__name__]
-
-
-def collect(file: str, threaded: bool = True) -> list[str]:
-    """``Class.test_name`` of the multi-threaded (CPU) tests of ``file``, or with
-    ``threaded=False`` of its multi-process (GPU) ones."""
-    module = load(file, "torch")
-    return sorted(f"{c.__name__}.{n}" for c in _classes(module, threaded) for n in dir(c) if n.startswith("test"))
+def collect(file: str) -> list[str]:
+    """``Class.test_name`` of the multi-threaded (CPU) tests of ``file``, read from its AST
+    (classes deriving from ``FSDPTestMultiThread``; no parametrized tests in these files)."""
+    tree = ast.parse((TESTS / file).read_text())
+    return sorted(f"{c.name}.{f.name}" for c in tree.body if isinstance(c, ast.ClassDef)
+                  and any(getattr(b, "id", None) == "FSDPTestMultiThread" for b in c.bases)
+                  for f in c.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test"))
 
 
 def run_test(file: str, name: str, flavour: str) -> tuple[str, str]:
@@ -76,3 +75,21 @@ def run_test(file: str, name: str, flavour: str) -> tuple[str, str]:
     if problems:
         return "fail", "\n".join(text for _, text in problems)
     return "pass", ""
+
+
+def run_all(cases: list[tuple[str, str, str]]) -> dict[str, tuple[str, str]]:
+    """``{"file::name::flavour": (status, detail)}``; for the fsdp2d flavour the status is
+    ``switch-failed`` if the loaded file's ``fully_shard`` is not fsdp2d's."""
+    import fsdp2d
+
+    out = {}
+    for file, name, flavour in cases:
+        result = run_test(file, name, flavour)
+        if flavour == "fsdp2d" and load(file, flavour).fully_shard is not fsdp2d.fully_shard:
+            result = ("switch-failed", "the loaded file's fully_shard is not fsdp2d's")
+        out[f"{file}::{name}::{flavour}"] = result
+    return out
+
+
+if __name__ == "__main__":  # python -m tests.dist._upstream_fsdp < cases.json > results.json
+    print(json.dumps(run_all([tuple(c) for c in json.load(sys.stdin)])))
