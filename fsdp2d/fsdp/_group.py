@@ -60,6 +60,18 @@ def offload_placement(fqns: list[str], source: torch.device, mesh_device: torch.
     return source, mesh_device
 
 
+def check_mesh_device(fqns: list[str], device: torch.device, mesh_device: torch.device) -> None:
+    """(Without CPU offload.) Parameters found on ``device`` are gathered by the mesh's
+    collectives on ``mesh_device``: they must be of its type (or meta: not materialised).
+    A model moved after ``fully_shard`` (``.cuda()`` on a CPU mesh, ``.cpu()`` on a CUDA one)
+    is refused at the group's next use, naming the parameters."""
+    if device.type not in ("meta", mesh_device.type):
+        names = ", ".join(fqns[:4]) + (f" and {len(fqns) - 4} more" if len(fqns) > 4 else "")
+        raise RuntimeError(f"fully_shard: parameters {names} are on {device}, but the mesh's collectives run on "
+                           f"{mesh_device.type}; move the model before fully_shard (or materialise it with "
+                           f"to_empty(device={mesh_device.type!r})), or build the mesh on {device.type}")
+
+
 class FSDPParamGroup(Unshard, GradReduction):
     def __init__(self, params: list[FSDPParam], shard_group: C.Group, replicate_group: C.Group | None,
                  mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str,
@@ -136,12 +148,8 @@ class FSDPParamGroup(Unshard, GradReduction):
         if isinstance(self.offload, CPUOffloadPolicy) and self.mesh_device.type != "cpu":
             source = torch.device("cpu") if initial and device.type not in ("cpu", "meta") else device
             store, device = offload_placement([p.fqn for p in self.params], source, self.mesh_device)
-        elif device.type not in ("meta", self.mesh_device.type):
-            names = ", ".join(p.fqn for p in self.params[:4]) + (" ..." if len(self.params) > 4 else "")
-            raise RuntimeError(f"fully_shard({self.label or '<root>'}): parameters {names} are on {device}, but the "
-                               f"mesh's collectives run on {self.mesh_device.type}; move the model before fully_shard "
-                               f"(or materialise it with to_empty(device={self.mesh_device.type!r})), or build the "
-                               f"mesh on {device.type}")
+        else:
+            check_mesh_device([p.fqn for p in self.params], device, self.mesh_device)
         current_dtypes = {p.module._parameters[p.name].dtype for p in self.params}
         if len(current_dtypes) > 1 and self.mp.param_dtype is None:
             raise ValueError(f"fully_shard({self.fqn}): parameters now have mixed dtypes {sorted(map(str, current_dtypes))}; "
