@@ -60,6 +60,18 @@ def offload_placement(fqns: list[str], source: torch.device, mesh_device: torch.
     return source, mesh_device
 
 
+def check_mesh_device(fqns: list[str], device: torch.device, mesh_device: torch.device) -> None:
+    """(Without CPU offload.) Parameters found on ``device`` are gathered by the mesh's
+    collectives on ``mesh_device``: they must be of its type (or meta: not materialised).
+    A model moved after ``fully_shard`` (``.cuda()`` on a CPU mesh, ``.cpu()`` on a CUDA one)
+    is refused at the group's next use, naming the parameters."""
+    if device.type not in ("meta", mesh_device.type):
+        names = ", ".join(fqns[:4]) + (f" and {len(fqns) - 4} more" if len(fqns) > 4 else "")
+        raise RuntimeError(f"fully_shard: parameters {names} are on {device}, but the mesh's collectives run on "
+                           f"{mesh_device.type}; move the model before fully_shard (or materialise it with "
+                           f"to_empty(device={mesh_device.type!r})), or build the mesh on {device.type}")
+
+
 class FSDPParamGroup(Unshard, GradReduction):
     def __init__(self, params: list[FSDPParam], shard_group: C.Group, replicate_group: C.Group | None,
                  mp: MixedPrecisionPolicy, offload: OffloadPolicy, fqn: str,
@@ -69,6 +81,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         self.label = fqn  # its module path once the root knows it (profiler ranges, errors)
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.k = C.group_size(shard_group)
+        self.has_ext = any(p.ext is not None for p in params)  # gathers bytes: see _unshard
         self.dp_size = self.k * C.group_size(replicate_group)
         self.divide_factor = float(self.dp_size)  # set_gradient_divide_factor: 1.0 sums gradients
         self.force_sum = False  # set_force_sum_reduction_for_comms: SUM, then a division of its own
@@ -90,6 +103,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         self.requires_sync = True
         self.reshard_after_forward = True
         self.reshard_after_backward = True
+        self.unshard_in_backward = True  # FSDPModule.set_unshard_in_backward
         self.unsharded = False
         self._gather: _Gather | None = None
         self._reduce: tuple[Any, torch.Tensor] | None = None
@@ -130,9 +144,15 @@ class FSDPParamGroup(Unshard, GradReduction):
         on the host (at ``fully_shard`` a model on the accelerator moves there, as torch's;
         later, see :func:`offload_placement`) and the group computes on the mesh's device."""
         store = device
+        if isinstance(self.offload, CPUOffloadPolicy) and any(p.ext is not None for p in self.params):
+            p = next(p for p in self.params if p.ext is not None)
+            raise NotImplementedError(f"fully_shard: parameter {p.fqn!r} ({p.ext.cls.__name__}) uses FSDP2's "
+                                      f"all-gather extension, which fsdp2d does not combine with CPUOffloadPolicy")
         if isinstance(self.offload, CPUOffloadPolicy) and self.mesh_device.type != "cpu":
             source = torch.device("cpu") if initial and device.type not in ("cpu", "meta") else device
             store, device = offload_placement([p.fqn for p in self.params], source, self.mesh_device)
+        else:
+            check_mesh_device([p.fqn for p in self.params], device, self.mesh_device)
         current_dtypes = {p.module._parameters[p.name].dtype for p in self.params}
         if len(current_dtypes) > 1 and self.mp.param_dtype is None:
             raise ValueError(f"fully_shard({self.fqn}): parameters now have mixed dtypes {sorted(map(str, current_dtypes))}; "
@@ -155,17 +175,18 @@ class FSDPParamGroup(Unshard, GradReduction):
             with torch.no_grad():
                 src = _shard_source(p, current)
                 if src.device.type != "meta" and store.type != "meta":
-                    view.copy_(src)
+                    view.copy_(p.ext.data_of(src) if p.ext is not None else src)
+            local = p.ext.wrap(view) if p.ext is not None else view  # the subclass around our rows
             spec, old = p.spec(current.dtype), p.sharded
             if isinstance(current, DTensor) and isinstance(current, torch.nn.Parameter) and current._spec == spec:
-                current._local_tensor = view  # keep the object the optimizer may already hold
+                current._local_tensor = local  # keep the object the optimizer may already hold
                 p.sharded = current
             else:
-                p.sharded = torch.nn.Parameter(as_dtensor(view, spec), requires_grad=p.requires_grad)
+                p.sharded = torch.nn.Parameter(as_dtensor(local, spec), requires_grad=p.requires_grad)
                 mark_replaced(current, p.fqn, "fully_shard")
             if old is not current and old is not p.sharded:
                 mark_replaced(old, p.fqn, "to_empty(), .to() or load_state_dict(assign=True) on the model")
-            p.expected_local = view
+            p.expected_local = local
             p.sharded_storage = storage_of(p.sharded)
             p.sharded._fsdp2d_steps = self.optimizer_steps
             p.register("sharded")
@@ -210,7 +231,7 @@ class FSDPParamGroup(Unshard, GradReduction):
             return False
         if current is not p.sharded:
             return True
-        if not _same_storage(local_of(current), p.expected_local):
+        if not _holds_local(p, current):
             return True
         return is_storage(current, p.sharded_storage) and current.dtype not in self.flats
 
@@ -220,7 +241,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         too). Refused, naming the parameter, before anything reads the shards; the
         assignment is undone so that the model stays usable."""
         for p in self.params:  # (contents swapped, local tensor included: a replacement, see _replaced)
-            if not is_storage(p.sharded, p.sharded_storage) and _same_storage(local_of(p.sharded), p.expected_local):
+            if not is_storage(p.sharded, p.sharded_storage) and _holds_local(p, p.sharded):
                 p.restore_sharded()
                 raise RuntimeError(
                     f"fsdp2d: parameter {p.fqn!r} of fully_shard({self.label or '<root>'}) had its .data assigned "
@@ -345,6 +366,15 @@ def _weak_hook(group: FSDPParamGroup):
             g._on_grad_ready(param)
 
     return hook
+
+
+def _holds_local(p: FSDPParam, t: torch.Tensor) -> bool:
+    """Whether the sharded DTensor ``t`` still computes with the local tensor fsdp2d made
+    for ``p``: the same memory, or for an all-gather extension subclass (no storage of its
+    own to compare) the same object."""
+    if p.ext is not None:
+        return local_of(t) is p.expected_local
+    return _same_storage(local_of(t), p.expected_local)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

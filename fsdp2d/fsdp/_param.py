@@ -39,6 +39,7 @@ from ..bridge._layout import fsdp_layout
 from ..mesh import DeviceMesh, axis_names, coordinate, joined
 from ..placement import Layout, Replicate, chunk_range
 from ..tensor_parallel._params import TPParam
+from ._extension import Extension, extension_of
 
 
 def param_layout(global_shape: tuple[int, ...], tp: TPParam | None, mesh: DeviceMesh,
@@ -102,9 +103,11 @@ class FSDPParam:
         param = module._parameters[name]
         assert param is not None
         if param.ndim == 0:
-            raise ValueError(f"fully_shard: parameter {fqn!r} is a 0-dim scalar; FSDP shards dim 0, "
-                             f"so give it shape (1,)")
+            raise ValueError(f"fully_shard: parameter {fqn!r} is a 0-dim scalar; FSDP shards dim 0. "
+                             f"Change {fqn} to a 1D tensor with numel equal to 1.")
         self.module, self.name, self.fqn, self.tp, self.tp_spec = module, name, fqn, tp, tp_spec
+        # FSDP2's all-gather extension (a tensor subclass choosing what is gathered): _extension
+        self.ext: Extension | None = extension_of(param._local_tensor if isinstance(param, DTensor) else param, fqn)
         self.aliases: list[tuple[nn.Module, str]] = []  # other (module, name) holding it (tied)
         self.sharded: nn.Parameter = param
         # The tensor fully_shard found, to spot ties across groups. Weakly: a strong reference
@@ -175,6 +178,8 @@ class FSDPParam:
         self.padded = padded.data
         self.padded_by_rank = self.padded.view(self.num_shards, -1)  # (k, segment): the all-gather's layout
         self._padded_rows: tuple[torch.Tensor, ...] | None = None  # see padded_row
+        if self.ext is not None:  # (a placeholder: the post-all-gather hook makes the parameter)
+            self.ext.reset()
         self.free_unsharded()
 
     def assigned_readable(self) -> bool:
@@ -207,6 +212,16 @@ class FSDPParam:
             self.sharded.data = as_dtensor(local, self.spec(local.dtype))
         self.sharded_storage = storage_of(self.sharded)
 
+    def adopt_extension_output(self, full: torch.Tensor) -> None:
+        """Make the unsharded parameter from what the post-all-gather hook returned (its
+        first rows; a DTensor when the module computes on them), once, at the first gather."""
+        rows = torch.as_strided(full, self.unsharded_shape, torch.empty(self.unsharded_shape, device="meta").stride(), 0)
+        if self.tp_spec is not None:
+            rows = as_dtensor(rows, self._unsharded_spec(rows.dtype))
+        self.unsharded = nn.Parameter(rows, requires_grad=self.requires_grad)
+        self.unsharded_storage = storage_of(self.unsharded)  # (not a .data assignment: see Unshard)
+        mark_transient(self.unsharded, self.fqn)
+
     def padded_row(self, j: int) -> torch.Tensor:
         """Segment ``j`` (rank j's rows) of the unsharded storage, flat. The ``k`` segments
         are made on first use, once (views stay valid while the storage is freed and
@@ -218,6 +233,9 @@ class FSDPParam:
         return self._padded_rows[j]
 
     def alloc_unsharded(self) -> None:
+        if self.ext is not None:  # the extension's outputs hold it (allocated at the gather)
+            self.ext.alloc()
+            return
         t = self.padded
         nbytes = t.numel() * t.element_size()
         if t.untyped_storage().size() != nbytes:
@@ -226,6 +244,8 @@ class FSDPParam:
     def free_unsharded(self) -> None:
         if self.unsharded is not None and self.unsharded.device.type != "meta":
             self.padded.untyped_storage().resize_(0)
+            if self.ext is not None:
+                self.ext.free()
 
     def unsharded_grad(self) -> torch.Tensor | None:
         """The plain (TP-local) gradient of the unsharded parameter. A DTensor gradient

@@ -25,8 +25,9 @@ reshard after it; the post-backward reshards), see ``FSDPState._pre_recompute``.
 
 from __future__ import annotations
 
+import functools
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -34,6 +35,21 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .. import _trace
 from ._group import FSDPParamGroup
 from ._policy import MixedPrecisionPolicy
+
+
+def _eager(fn: Callable) -> Callable:
+    """Run an FSDP hook eagerly even inside a ``torch.compile``'d module: under
+    compilation it is called through ``torch._dynamo.disable`` (a graph break: its
+    collectives, storage resizes and parameter swaps are not traced), as torch's FSDP2
+    hooks are; in eager mode it is called directly (one flag check)."""
+
+    @functools.wraps(fn)
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return torch._dynamo.disable(fn, recursive=True, reason="fsdp2d's FSDP hooks")(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return hook
 
 
 class _Context:
@@ -132,6 +148,7 @@ class FSDPState:
         self.in_backward = False
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
+        self.is_last_backward = True  # FSDPModule.set_is_last_backward (read by the torch-state view)
 
     def _lazy_init(self) -> None:
         paths: dict[int, list[str]] = {}  # state id -> the paths of its modules under the root
@@ -151,6 +168,7 @@ class FSDPState:
         if self.group is not None:  # the root's parameters are needed first in backward
             self.group.reshard_after_forward = False
 
+    @_eager
     def pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.ctx is None:
             self._lazy_init()
@@ -203,6 +221,7 @@ class FSDPState:
             args, kwargs = _inputs_done_hook(group, (args, kwargs))
         return args, kwargs
 
+    @_eager
     def post_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         # With autograd off no backward will reshard: do it now (the root included), or an
         # optimizer step before the next forward would leave stale unsharded weights. (A
@@ -233,13 +252,14 @@ class FSDPState:
                     t.register_hook(self._pre_backward)
         return output
 
+    @_eager
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.in_backward:
             return
         with _trace.span("pre_backward", self.group.label if self.group is not None else ""):
             self.in_backward = True
             self.ctx.queue_final_callback()
-            if self.group is not None:
+            if self.group is not None and self.group.unshard_in_backward:
                 self.group.unshard(async_op=True)
                 self.group.wait_unshard()  # the copy-out (a no-op when it is still gathered)
                 self.group.register_unsharded()
@@ -248,7 +268,7 @@ class FSDPState:
             # copy-out, whose own gather was prefetched a whole backward earlier.
             prefetch = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.neighbour(self, -1)
             for s in prefetch:
-                if not s.in_backward and s.group is not None:
+                if not s.in_backward and s.group is not None and s.group.unshard_in_backward:
                     s.group.unshard(async_op=True)
 
 

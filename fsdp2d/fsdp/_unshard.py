@@ -115,7 +115,11 @@ class Unshard:
         is issued on the side stream, behind the copy to the device (on NCCL its stream
         then waits for the side stream, not for compute)."""
         offloading = self._offloading(self.compute_device)
-        send = self._copy_in_offloaded(self.param_dtype) if offloading else self._send_buffer(self.param_dtype)
+        dests = None
+        if self.has_ext:
+            send, dests = self._send_bytes()
+        else:
+            send = self._copy_in_offloaded(self.param_dtype) if offloading else self._send_buffer(self.param_dtype)
         self._gathered_versions = self._shard_versions()  # what is sent, not what is there at the wait
         self.counts["all_gather"] += 1
         side = _streams.side_stream(self.compute_device) if offloading else _streams.HOST
@@ -123,7 +127,7 @@ class Unshard:
             work, out = None, send
         else:  # over shared memory the pieces are copied out where they lie (out None)
             work = C.all_gather_rows(send, self.shard_group) if self.params else None
-            out = None if work is not None else send.new_empty(self.k * self.total)  # on the compute stream
+            out = None if work is not None else send.new_empty(self.k * send.numel())  # on the compute stream
             if work is None:
                 with side:
                     work = C.all_gather_into(out, send, self.shard_group, async_op=True)
@@ -131,7 +135,7 @@ class Unshard:
         if ready is not None:  # the host must not write the shards before the copy read them
             self.host_reads = ready
             _HOST_READS.add(self)
-        return _Gather(work, out, send, ready)
+        return _Gather(work, out, send, ready, dests)
 
     def wait_host_reads(self) -> None:
         """Block the host until the copies out of this group's host shards are done (CPU
@@ -164,7 +168,7 @@ class Unshard:
                 _streams.current_stream(self.compute_device).wait_event(gather.ready)
             for p in self.params:
                 p.alloc_unsharded()
-            self._copy_out(gather.work, gather.out)
+            self._copy_out(gather.work, gather.out, gather.dests)
         self.unsharded = True
         self._copied_versions = [p.unsharded._version for p in self.params]
         if stale:
@@ -174,7 +178,40 @@ class Unshard:
                 f"forward); the model no longer holds that tensor, so the assignment is dropped. Assign through "
                 f"model.parameters() after model.unshard(), or copy into the sharded parameter")
 
-    def _copy_out(self, work: Any, out: torch.Tensor | None) -> None:
+    def _send_bytes(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(A group with an all-gather extension parameter, see :mod:`._extension`.) This
+        rank's all-gather input as bytes: every other parameter's padded segment in
+        ``param_dtype`` and every extension input (float8 data for torchao), back to back;
+        and, in the same order, the ``(k, bytes)`` uint8 views the copy-out fills."""
+        pieces, dests = [], []
+        for p in self.params:
+            if p.ext is None:
+                src = self.flats[p.sharded.dtype][p.store_offset:p.store_offset + p.segment_numel]
+                pieces.append(src.to(self.compute_device, self.param_dtype).view(torch.uint8))
+                dests.append(p.padded_by_rank.view(torch.uint8))
+            else:
+                inputs = p.ext.inputs(p, self.mp)
+                pieces += [t.view(-1).view(torch.uint8) for t in inputs]
+                dests += p.ext.destinations(inputs, self.k)
+        return torch.cat(pieces), dests
+
+    def _finish_extensions(self) -> None:
+        """The post-all-gather hooks, after the copy-out (the first makes the parameter)."""
+        made = False
+        for p in self.params:
+            if p.ext is not None:
+                full = p.ext.finish(p, self.param_dtype)
+                if full is not None:
+                    p.adopt_extension_output(full)
+                    made = True
+        if made:  # hook the new parameters' gradients
+            self._sync_requires_grad()
+
+    def _copy_out(self, work: Any, out: torch.Tensor | None, dests: list[torch.Tensor] | None = None) -> None:
+        if dests is not None:
+            self._copy_out_bytes(work, out, dests)
+            self._finish_extensions()
+            return
         if out is None:  # shared memory (see unshard): one copy op per rank's piece
             sizes = [p.segment_numel for p in self.params]
 
@@ -190,6 +227,16 @@ class Unshard:
         if self.params:  # one copy op for the whole group, into the padded unsharded storage
             torch.split_with_sizes_copy(gathered, [p.segment_numel for p in self.params], dim=1,
                                         out=[p.padded_by_rank for p in self.params])
+
+    def _copy_out_bytes(self, work: Any, out: torch.Tensor | None, dests: list[torch.Tensor]) -> None:
+        sizes = [d.shape[1] for d in dests]
+        if out is None:  # shared memory: each rank's piece where it lies
+            work.wait(lambda parts: [torch.split_with_sizes_copy(piece, sizes, out=[d[j] for d in dests])
+                                     for j, piece in parts.items()])
+            return
+        if work is not None:
+            work.wait()
+        torch.split_with_sizes_copy(out.view(self.k, -1), sizes, dim=1, out=dests)
 
     def reshard(self) -> None:
         if self._gather is not None:  # finish the collective, drop what it brought
@@ -277,13 +324,15 @@ class _Gather:
     """An all-gather in flight: its handle (None: nothing to wait for), the buffer it
     fills (None over shared memory, where pieces are copied out where they lie; the send
     buffer itself with one rank), the send buffer (held until the copy-out: with CPU
-    offload it is a copy that the collective reads) and, with CPU offload, the side
-    stream's event after the copy to the device."""
+    offload it is a copy that the collective reads), with CPU offload, the side stream's
+    event after the copy to the device, and for a group with all-gather extension
+    parameters the uint8 destinations of its byte pieces (see ``_send_bytes``)."""
 
-    __slots__ = ("work", "out", "send", "ready")
+    __slots__ = ("work", "out", "send", "ready", "dests")
 
-    def __init__(self, work: Any, out: torch.Tensor | None, send: torch.Tensor, ready: Any) -> None:
-        self.work, self.out, self.send, self.ready = work, out, send, ready
+    def __init__(self, work: Any, out: torch.Tensor | None, send: torch.Tensor, ready: Any,
+                 dests: list[torch.Tensor] | None = None) -> None:
+        self.work, self.out, self.send, self.ready, self.dests = work, out, send, ready, dests
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

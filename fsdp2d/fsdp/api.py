@@ -4,150 +4,36 @@ Apply bottom-up (each transformer block, then the root) after ``parallelize_modu
 each call groups the parameters of its module that no inner ``fully_shard`` already
 manages, chunks every (TP-local) parameter along dim 0 over the mesh's shard axis, and
 turns the module into an :class:`FSDPModule` (its class is swapped for a subclass, as
-in torch). Parameters at rest are plain ``nn.Parameter`` shards; their 2D layouts
-(TP-major) are available from :func:`fsdp_params`.
+in torch; fsdp2d's ``FSDPModule`` is a subclass of torch's, see :mod:`._module`).
+Parameters at rest are DTensor shards; their 2D layouts (TP-major) are available from
+:func:`fsdp_params`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .._dtensor import local_of
 from ..bridge.extensions import layout_of_spec
 from ..mesh import DeviceMesh, axis_names, joined
 from ..tensor_parallel._params import TPParam, tp_params
 from ._group import FSDPParamGroup
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._module import FSDPModule, UnshardHandle, fsdp_class
 from ._param import FSDPParam
 from ._state import FSDPState
+from ._summon import summon_full_params
+from ._torch_state import plant, state_view
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "fsdp_params", "summon_full_params"]
-
-
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the
-    all-gather and registers the unsharded parameters on the module."""
-
-    def __init__(self, state: FSDPState) -> None:
-        self._state = state
-
-    def wait(self) -> None:
-        group = self._state.group
-        if group is not None:
-            group.wait_unshard()
-            group.register_unsharded()
-
-
-class FSDPModule:
-    """Methods added to every module passed to :func:`fully_shard`."""
-
-    _fsdp2d_fsdp: FSDPState
-
-    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
-        mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        states = [m._fsdp2d_fsdp for m in mods if isinstance(m, FSDPModule)]
-        return list({id(s): s for s in states}.values())  # one state may serve a list of modules
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters now (e.g. to prefetch by hand)."""
-        state = self._fsdp2d_fsdp
-        if state.group is not None:
-            state.group.sync_params()
-            state.group.unshard(async_op=True)
-        handle = UnshardHandle(state)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Free the unsharded parameters and register the shards again."""
-        if self._fsdp2d_fsdp.group is not None:
-            self._fsdp2d_fsdp.group.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: backward keeps unsharded gradients (accumulating microbatches, in
-        ``reduce_dtype``, as torch FSDP2) and does not reduce-scatter; set True before the
-        last microbatch to sync once. (Leaving it True accumulates too: every backward
-        reduce-scatters and adds into the sharded ``.grad``s in the parameters' dtype,
-        which keeps gradient memory at 1/dp for one reduce-scatter per microbatch, as
-        torch FSDP2.) docs/accumulation.md compares the two."""
-        for s in self._fsdp_states(recurse):
-            if s.group is not None:
-                s.group.requires_sync = requires_gradient_sync
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide this module's reduced gradients by ``factor`` instead of the data-parallel
-        size (replicas x shards). ``1.0`` sums them: for a loss already divided by the global
-        token count, as torchtitan's. This module's own group only, as torch's.
-
-        Raises ValueError for a factor that is not a positive finite number."""
-        if not (isinstance(factor, (int, float)) and 0 < factor < float("inf")):
-            raise ValueError(f"set_gradient_divide_factor needs a positive finite factor, got {factor!r}")
-        if self._fsdp2d_fsdp.group is not None:
-            self._fsdp2d_fsdp.group.divide_factor = float(factor)
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """As torch's: ``True`` makes this module's gradient collectives reduce with SUM
-        and divide afterwards. By default they divide inside the collective where the
-        backend can (NCCL: ``ReduceOp.AVG``, or ``PREMUL_SUM`` for a custom factor, in
-        float32 and bfloat16; fsdp2d's pairwise exchanges on gloo divide as they sum),
-        with no separate division kernel, as torch FSDP2. This module's own group only."""
-        if not isinstance(enable, bool):
-            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}")
-        if self._fsdp2d_fsdp.group is not None:
-            self._fsdp2d_fsdp.group.force_sum = enable
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        for s in self._fsdp_states(recurse):
-            if s.group is not None:
-                s.group.reshard_after_forward = reshard_after_forward
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        for s in self._fsdp_states(recurse):
-            if s.group is not None:
-                s.group.reshard_after_backward = reshard_after_backward
-
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """All-gather these modules' parameters when this module's forward starts."""
-        self._fsdp2d_fsdp.forward_prefetch = [_state_of(m) for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """All-gather these modules' parameters when this module's backward starts."""
-        self._fsdp2d_fsdp.backward_prefetch = [_state_of(m) for m in modules]
-
-    def summon_full_params(self, writeback: bool = True) -> contextlib.AbstractContextManager:
-        return summon_full_params(self, writeback=writeback)  # type: ignore[arg-type]
-
-
-def _state_of(module: nn.Module) -> FSDPState:
-    if not isinstance(module, FSDPModule):
-        raise TypeError(f"{type(module).__name__} is not an FSDPModule: call fully_shard on it first")
-    return module._fsdp2d_fsdp
-
-
-_FSDP_CLASSES: dict[type, type] = {}
-
-
-def _fsdp_class(cls: type) -> type:
-    if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
-    return _FSDP_CLASSES[cls]
-
-
-def _no_deepcopy(*args, **kwargs):
-    # torch FSDP2's own refusal, word for word: a copy would share the flat buffers and
-    # process groups of the original (and its hooks would drive the original's state)
-    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
 
 
 def _world_mesh() -> DeviceMesh:
@@ -178,9 +64,10 @@ def _managed(module: nn.Module, prefix: str = "", ignored: frozenset[int] = froz
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                reshard_after_forward: bool | None = None, shard_placement_fn: Callable | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None) -> nn.Module | list[nn.Module]:
+                ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters along dim 0 over the data axis of ``mesh``.
 
     Args:
@@ -198,7 +85,13 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             mesh. Default: the whole world as one data axis.
         reshard_after_forward: free the unsharded parameters after forward and
             all-gather again in backward (less memory, one more all-gather per group).
-            The root keeps them (they are needed first in backward).
+            The root keeps them (they are needed first in backward). ``None`` (torch's
+            default) is ``True``; an ``int`` (torch: reshard to a smaller group) raises
+            NotImplementedError.
+        shard_placement_fn: as torch's, called on each parameter; fsdp2d shards dim 0
+            only, so it may return None or ``Shard(0)``; another dim raises
+            NotImplementedError naming the parameter (an invalid one, torch's AssertionError).
+        dp_mesh_dims: torch's SPMD-mesh mode; only None is supported (NotImplementedError).
         mp_policy: parameter / reduce / output dtypes (:class:`MixedPrecisionPolicy`).
         offload_policy: :class:`CPUOffloadPolicy` keeps shards on the CPU (CUDA runs).
         ignored_params: parameters to leave alone (as torch): not sharded, not moved,
@@ -222,16 +115,20 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
         _check_shardable(m)
+    reshard_after_forward = _check_options(reshard_after_forward, dp_mesh_dims)
     mesh = mesh if mesh is not None else _world_mesh()
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard got a {type(mesh).__module__}.{type(mesh).__name__} as mesh; pass a torch "
                         f"DeviceMesh (fsdp2d.init_device_mesh or torch's), e.g. mesh['dp']")
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard needs a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh!r}")
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh!r}: a 1-D (shard) or 2-D "
+                         f"(replicate, shard) mesh")
     if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type == "cpu":
         warnings.warn("CPUOffloadPolicy on a CPU mesh: shards already live on the CPU; nothing to offload",
                       stacklevel=2)
     ignored = frozenset(id(p) for p in ignored_params or ())
+    if shard_placement_fn is not None:
+        _check_placements(modules, ignored, shard_placement_fn)
     params = _fsdp_params_of(modules, mesh, ignored)
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     name = "+".join(type(m).__name__ for m in modules)
@@ -242,12 +139,72 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     state = FSDPState(modules, group, mp_policy)
     for p in params:
         p.module.__dict__.setdefault("_fsdp2d_fsdp_owner", state)
+    for managed in _managed_modules(modules):  # as torch's, for torch.compile (and HF generate's synced_gpus)
+        managed._is_fsdp_managed_module = True
+        managed._fsdp_use_orig_params = True
     for m in modules:
         m.__dict__["_fsdp2d_fsdp"] = state
+        plant(m, state)  # what fully_shard.state(m) and m._get_fsdp_state() return
         m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(state.post_forward)
-        m.__class__ = _fsdp_class(type(m))
+        m.__class__ = fsdp_class(type(m))
     return module
+
+
+fully_shard.state = state_view  # torch's fully_shard.state(module) (the view of _torch_state), or None
+
+
+class AlreadySharded(ValueError, AssertionError):
+    """``fully_shard`` applied twice to one module: a ValueError (fsdp2d's refusals) that is
+    also torch's type for it (an AssertionError from its composable-API contract)."""
+
+
+def _managed_modules(modules: list[nn.Module]) -> Iterator[nn.Module]:
+    """The modules of ``modules``' trees that no inner ``fully_shard`` manages (the ones
+    torch marks ``_is_fsdp_managed_module``)."""
+    stack = list(modules)
+    while stack:
+        m = stack.pop()
+        yield m
+        stack.extend(c for c in m.children() if not isinstance(c, FSDPModule))
+
+
+def _check_options(reshard_after_forward: Any, dp_mesh_dims: Any) -> bool:
+    """torch's keywords fsdp2d does not implement: refused, never ignored."""
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fully_shard(dp_mesh_dims=...) (torch's SPMD-mesh mode) is not supported by fsdp2d: "
+                                  "apply TP on mesh['tp'] and pass mesh=mesh['dp']")
+    if reshard_after_forward is None:
+        return True
+    if not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"fully_shard(reshard_after_forward={reshard_after_forward!r}): resharding to a "
+                                  f"smaller group after forward is not supported by fsdp2d; pass True or False")
+    return reshard_after_forward
+
+
+def _check_placements(modules: list[nn.Module], ignored: frozenset[int], fn: Callable) -> None:
+    """``shard_placement_fn``: fsdp2d shards dim 0, so None or ``Shard(0)`` only. Every
+    placement's dim is checked first (torch's AssertionError for an invalid one)."""
+    from torch.distributed.tensor import Shard
+
+    dims = []
+    for unit in modules:
+        for fqn, owner, name in _managed(unit, "", ignored):
+            param = owner._parameters[name]
+            placement = fn(param)
+            if placement is None:
+                continue
+            if not isinstance(placement, Shard):
+                raise NotImplementedError(f"fully_shard: shard_placement_fn gave parameter {fqn!r} {placement!r}; "
+                                          f"fsdp2d shards every parameter on one mesh, along dim 0")
+            dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+            if not 0 <= dim < param.ndim:
+                raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.ndim}D tensor ({fqn!r})")
+            dims.append((fqn, dim))
+    for fqn, dim in dims:
+        if dim != 0:
+            raise NotImplementedError(f"fully_shard: shard_placement_fn gave parameter {fqn!r} Shard({dim}); "
+                                      f"fsdp2d shards dim 0 only (return None or Shard(0))")
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -261,7 +218,11 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 def _check_shardable(module: nn.Module) -> None:
     if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
+        raise AlreadySharded(f"Each distinct composable distributed API can only be applied to a module once: "
+                             f"fully_shard was already applied to this {type(module).__name__}")
+    if isinstance(module, _TorchFSDPModule):
+        raise ValueError(f"torch's fully_shard (or replicate) was already applied to this {type(module).__name__}; "
+                         f"shard a model with one of them, fsdp2d's or torch's")
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         raise ValueError(f"fully_shard does not support containers that do not implement forward: "
                          f"{type(module).__name__}; shard each of its modules (e.g. every block), or pass them "
@@ -372,31 +333,3 @@ def fsdp_params(model: nn.Module) -> Iterator[tuple[str, FSDPParam]]:
             for p in state.group.params:
                 if p.unit is m:  # fqns are relative to the module of a fully_shard list they came from
                     yield (f"{prefix}.{p.fqn}" if prefix else p.fqn), p
-
-
-@contextlib.contextmanager
-def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[None]:
-    """Register unsharded (over the data axis) parameters, in their own dtype, on every
-    FSDP module under ``module`` for inspection or edits; on exit, what the modules then
-    hold is written back to the shards (``writeback=True``) and the shards registered
-    again. TP-sharded parameters stay TP-local (``fsdp2d.gather_full`` gives the global
-    tensor). Do not run forward or backward inside. Collective over the data axis.
-    """
-    groups = list({id(g): g for g in (m._fsdp2d_fsdp.group for m in module.modules() if isinstance(m, FSDPModule))
-                   if g is not None}.values())  # one group may serve a list of modules
-    for g in groups:
-        g.sync_params()
-        g.reshard()
-        for p, full in zip(g.params, g.gather_exact()):
-            full = nn.Parameter(full, requires_grad=p.requires_grad)
-            for owner, name in [(p.module, p.name), *p.aliases]:
-                owner._parameters[name] = full
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for g in groups:
-                for p in g.params:
-                    if writeback:
-                        local_of(p.sharded).copy_(p.shard_of(p.module._parameters[p.name]))
-                    p.register("sharded")

@@ -28,6 +28,7 @@ from ..mesh import DeviceMesh
 from ..placement import Partial, Placement, Replicate, Shard
 from . import _functions as T
 from ._activations import as_output, local_input, redistribute
+from ._own_forward import dtensor_call, has_own_forward, own_forward
 from ._params import shard_parameter
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel"]
@@ -107,6 +108,10 @@ class ColwiseParallel(ParallelStyle):
     def apply(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
         is_linear = isinstance(module, nn.Linear)
         self._shard_params(module, mesh, fqn)
+        if is_linear and has_own_forward(module):  # run it as torch's TP does (see _own_forward)
+            module._fsdp2d_own_forward = dtensor_call(mesh, {"weight": Shard(0), "bias": Shard(0)}, Replicate(),
+                                                      Partial(), Shard(-1))
+            module.forward = types.MethodType(own_forward, module)
         group, in_layout, out_layout = mesh.get_group(), self.input_layout, self.output_layout
         global_out, use_local = (module.out_features if is_linear else module.embedding_dim), self.use_local_output
 
@@ -153,6 +158,9 @@ class RowwiseParallel(ParallelStyle):
         self._require(module, fqn, (nn.Linear, nn.Embedding))
         if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
             raise TypeError(f"RowwiseParallel on {fqn!r}: nn.Embedding with max_norm or sparse=True is not supported")
+        if isinstance(module, nn.Embedding) and has_own_forward(module):
+            raise TypeError(f"RowwiseParallel on {fqn!r}: {type(module).__name__} overrides nn.Embedding.forward, "
+                            f"which fsdp2d's vocab-parallel lookup would replace; use ColwiseParallel for it")
 
     def param_placements(self, module: nn.Module) -> dict[str, Placement]:
         if isinstance(module, nn.Linear):
@@ -177,6 +185,9 @@ class RowwiseParallel(ParallelStyle):
         module._fsdp2d_output = lambda y: as_output(y, out_layout, mesh, self.use_local_output,
                                                     module.out_features if is_linear else module.embedding_dim)
         module.register_forward_pre_hook(pre)
+        if is_linear and has_own_forward(module):  # run it as torch's TP does (see _own_forward)
+            module._fsdp2d_own_forward = dtensor_call(mesh, {"weight": Shard(1), "bias": None}, Shard(-1), Shard(-1),
+                                                      Replicate())
         module.forward = types.MethodType(_rowwise_linear_forward if is_linear else
                                           _vocab_parallel_embedding_forward, module)
 
@@ -196,7 +207,12 @@ def _bias_for(bias: torch.Tensor, out_layout: Placement, group, ndim: int) -> to
 
 
 def _rowwise_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    y = self._fsdp2d_reduce(F.linear(x, self.weight))  # partial sums -> output layout
+    own = self.__dict__.get("_fsdp2d_own_forward")
+    if own is None:
+        partial = F.linear(x, self.weight)
+    else:  # a Linear subclass's own forward (torchao Float8Linear), on DTensors; the bias is added below
+        partial = own(self, x)
+    y = self._fsdp2d_reduce(partial)  # partial sums -> output layout
     bias = None if self.bias is None else self._fsdp2d_bias(self.bias, y.ndim)
     return self._fsdp2d_output(y if bias is None else y + bias)
 

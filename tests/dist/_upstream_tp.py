@@ -1,21 +1,11 @@
 """PyTorch's own TP unit tests, run on the worker pool against torch's TP or fsdp2d's.
 
 The upstream files live unmodified in ``tests/clients/pytorch/`` (see its README). They
-are loaded here from source with the imports rewritten on the AST, in memory:
-
-- **the switch** (flavour ``"fsdp2d"`` only): every name imported from
-  ``torch.distributed.tensor.parallel`` or one of its submodules (``.api``, ``.style``,
-  ``.loss``...) comes from ``fsdp2d.tensor_parallel`` instead. Meshes, placements,
-  DTensor, ``CommDebugMode`` and the test harness stay torch's, as the tests build them.
-  A name fsdp2d does not provide stays torch's only if :data:`KEEP_TORCH` lists it with
-  the reason; any other raises, so a new upstream import cannot slip through.
-- **the harness bridge** (both flavours): the files come from a pytorch commit newer than
-  the installed wheel's harness. :data:`BRIDGE` supplies the two names it lacks:
-  ``HardwareClassification`` (a class attribute the multi-process tests only declare) and
-  ``instantiate_device_type_tests``, whose upstream call ``except_for=["cpu"]`` drops the
-  multi-process CPU class that torch's older harness made (upstream now runs CPU through
-  a single-process LocalTensor class instead). The bridge keeps the generic class, as the
-  CPU class, with its ``@parametrize`` tests expanded.
+are loaded from source with the imports rewritten on the AST, in memory (``_upstream``):
+flavour ``"fsdp2d"`` switches every name imported from ``torch.distributed.tensor.parallel``
+or one of its submodules (``.api``, ``.style``, ``.loss``...) to ``fsdp2d.tensor_parallel``;
+meshes, placements, DTensor, ``CommDebugMode`` and the test harness stay torch's. A name
+fsdp2d does not provide stays torch's only if :data:`KEEP_TORCH` lists it with the reason.
 
 Each test method then runs on every rank of the pool as torch's ``MultiProcessTestCase``
 runs it in a spawned process (``set_rng_seed()``, ``self.rank``, then the method), except
@@ -26,17 +16,14 @@ restarts the workers after any failed job instead).
 
 from __future__ import annotations
 
-import ast
-import enum
-import sys
 import types
 import unittest
-from pathlib import Path
 
-UPSTREAM = Path(__file__).resolve().parents[1] / "clients" / "pytorch"
-TESTS = UPSTREAM / "test" / "distributed" / "tensor" / "parallel"
+from . import _upstream
+from ._upstream import FLAVOURS, HardwareClassification, keep_generic_class  # noqa: F401 (the bridge)
+
+TESTS = _upstream.UPSTREAM / "test" / "distributed" / "tensor" / "parallel"
 FILES = ("test_tp_style.py", "test_parallelize_api.py", "test_tp_examples.py")
-FLAVOURS = ("torch", "fsdp2d")
 TORCH_TP = "torch.distributed.tensor.parallel"
 
 # name -> why it may stay torch's in the fsdp2d flavour
@@ -46,83 +33,9 @@ KEEP_TORCH = {
 }
 
 
-class HardwareClassification(enum.Enum):
-    """Stand-in for the upstream harness enum (the tests only set it as a class attribute)."""
-
-    ACCELERATOR = "accelerator"
-    CPU = "cpu"
-
-
-def keep_generic_class(generic_cls, scope, **_ignored) -> None:
-    """Stand-in for ``instantiate_device_type_tests``: keep the generic multi-process class
-    in ``scope`` (it runs on CPU here) with its ``@parametrize`` tests expanded."""
-    from torch.testing._internal.common_utils import instantiate_parametrized_tests
-
-    instantiate_parametrized_tests(generic_cls)
-    scope[generic_cls.__name__] = generic_cls
-
-
-BRIDGE = {"HardwareClassification": "HardwareClassification",  # upstream name -> name here
-          "instantiate_device_type_tests": "keep_generic_class"}
-
-
-class _Rewrite(ast.NodeTransformer):
-    def __init__(self, switch: bool) -> None:
-        self.switch = switch
-        self.switched: list[str] = []
-
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> ast.AST | list[ast.AST]:
-        mod = node.module or ""
-        bridged = [a for a in node.names if a.name in BRIDGE]
-        if bridged:  # from <harness> import ..., HardwareClassification, ...
-            node.names = [a for a in node.names if a.name not in BRIDGE]
-            extra = ast.ImportFrom(module=__name__, level=0, names=[
-                ast.alias(BRIDGE[a.name], a.asname or a.name) for a in bridged])
-            return [node, extra] if node.names else [extra]
-        if not self.switch or not (mod == TORCH_TP or mod.startswith(TORCH_TP + ".")):
-            return node
-        import fsdp2d.tensor_parallel as fsdp2d_tp
-
-        ours, kept = [], []
-        for alias in node.names:
-            if hasattr(fsdp2d_tp, alias.name):
-                ours.append(alias)
-            elif alias.name in KEEP_TORCH:
-                kept.append(alias)
-            else:
-                raise ImportError(f"{mod}.{alias.name}: fsdp2d.tensor_parallel has no such name; "
-                                  f"implement it or list it in KEEP_TORCH with the reason")
-        self.switched += [a.name for a in ours]
-        out = []
-        if ours:
-            out.append(ast.ImportFrom(module="fsdp2d.tensor_parallel", names=ours, level=0))
-        if kept:
-            out.append(ast.ImportFrom(module=mod, names=kept, level=0))
-        return out
-
-
-_LOADED: dict = {}
-
-
 def load(file: str, flavour: str) -> types.ModuleType:
     """The vendored test file ``file`` as a module, imports rewritten for ``flavour``."""
-    key = (file, flavour)
-    if key not in _LOADED:
-        if flavour not in FLAVOURS:
-            raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
-        path = TESTS / file
-        rewrite = _Rewrite(switch=flavour == "fsdp2d")
-        tree = ast.fix_missing_locations(rewrite.visit(ast.parse(path.read_text(), str(path))))
-        if flavour == "fsdp2d" and not rewrite.switched:
-            raise AssertionError(f"{file}: no import of {TORCH_TP} was switched")
-        name = f"_upstream_{flavour}_{Path(file).stem}"
-        module = types.ModuleType(name)
-        module.__file__ = str(path)
-        sys.modules[name] = module  # (dataclasses and pickling look classes up here)
-        exec(compile(tree, str(path), "exec"), module.__dict__)
-        module._switched = rewrite.switched
-        _LOADED[key] = module
-    return _LOADED[key]
+    return _upstream.load(TESTS / file, flavour, {TORCH_TP: "fsdp2d.tensor_parallel"}, KEEP_TORCH)
 
 
 def _test_classes(module: types.ModuleType) -> list[type]:

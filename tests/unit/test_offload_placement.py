@@ -8,7 +8,7 @@ CUDA allocation recorded instead of made)."""
 import pytest
 import torch
 
-from fsdp2d.fsdp._group import offload_placement
+from fsdp2d.fsdp._group import check_mesh_device, offload_placement
 
 CUDA = torch.device("cuda", 0)
 
@@ -79,3 +79,18 @@ def test_build_flat_refuses_parameters_materialised_on_the_accelerator(offloaded
     with pytest.raises(RuntimeError, match=r"weight, bias are on cuda:0; materialise the parameters on the CPU"):
         group._build_flat(CUDA)  # found there later (to_empty(device='cuda'))
     assert group.flats == flats and not requested  # refused before anything changed
+
+
+def test_a_model_moved_off_its_mesh_device_is_refused_naming_the_parameters():
+    """Without offload: ``.cuda()`` after fully_shard on a CPU mesh (or ``.cpu()`` on a CUDA
+    one) is refused at the group's next use (FSDPParamGroup.sync_params rebuilds from the
+    moved parameters); meta (not materialised yet) and the mesh's own type pass."""
+    names = [f"layers.{i}.w" for i in range(6)]
+    check_mesh_device(names, torch.device("cpu"), torch.device("cpu"))
+    check_mesh_device(names, CUDA, CUDA)
+    check_mesh_device(names, torch.device("meta"), CUDA)
+    with pytest.raises(RuntimeError, match=r"layers.0.w, layers.1.w, layers.2.w, layers.3.w and 2 more are on cuda:0, "
+                                           r"but the mesh's collectives run on cpu"):
+        check_mesh_device(names, CUDA, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"are on cpu, but the mesh's collectives run on cuda"):
+        check_mesh_device(names, torch.device("cpu"), CUDA)
