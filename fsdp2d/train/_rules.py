@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["check_ranges", "check_mesh", "check_model", "check_batch", "divisors", "error_text", "MAX_WORLD",
-           "MAX_BATCH"]
+__all__ = ["check_ranges", "check_mesh", "check_model", "check_batch", "check_pipeline", "divisors", "error_text",
+           "mesh_text", "MAX_WORLD", "MAX_BATCH", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES"]
 
 # Upper bounds far above any job run today (the largest clusters hold ~10^5 GPUs; Llama 3
 # 405B's batch was 2048 x 8192 tokens) and far below sizes whose mesh, candidate lists or
 # error messages would take minutes to build (fsdp2d plan, plan --search, train).
 MAX_WORLD = 2**20
-"""GPUs in one job: ``hsdp_replicate * dp * tp`` (and ``fsdp2d plan --world-size``)."""
+"""GPUs in one job: ``pp * hsdp_replicate * dp * tp`` (and ``fsdp2d plan --world-size``)."""
 MAX_BATCH = 2**24
 """Sequences per optimizer step (``training.global_batch``, ``training.micro_batch``)."""
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+"""``parallel.pp_schedule`` values that run one stage per pipeline rank."""
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+"""``parallel.pp_schedule`` values that run exactly two stages per rank, in a V."""
 
 
 def error_text(errors: list[str]) -> str:
@@ -61,6 +65,7 @@ def check_ranges(cfg: "JobConfig", errors: list[str]) -> None:
         ("parallel.dp", p.dp, 1 <= p.dp <= MAX_WORLD, f"in [1, {MAX_WORLD}]"),
         ("parallel.tp", p.tp, 1 <= p.tp <= MAX_WORLD, f"in [1, {MAX_WORLD}]"),
         ("parallel.hsdp_replicate", p.hsdp_replicate, 1 <= p.hsdp_replicate <= MAX_WORLD, f"in [1, {MAX_WORLD}]"),
+        ("parallel.pp", p.pp, 1 <= p.pp <= MAX_WORLD, f"in [1, {MAX_WORLD}]"),
         ("data.seq_len", d.seq_len, d.seq_len >= 1, ">= 1"),
         ("data.eval_fraction", d.eval_fraction, 0.0 <= d.eval_fraction < 1.0, "in [0, 1)"),
         ("optim.lr", o.lr, o.lr > 0, "> 0"),
@@ -93,23 +98,53 @@ def check_ranges(cfg: "JobConfig", errors: list[str]) -> None:
     if cfg.metrics.peak_flops is not None:
         rules.append(("metrics.peak_flops", cfg.metrics.peak_flops, cfg.metrics.peak_flops > 0,
                       "> 0 (or none)"))
+    if p.pp_stages_per_rank is not None:
+        rules.append(("parallel.pp_stages_per_rank", p.pp_stages_per_rank, p.pp_stages_per_rank >= 1, ">= 1 (or none)"))
     errors.extend(f"{name}={value} must be {need}" for name, value, ok, need in rules if not ok)
-    if all(1 <= n <= MAX_WORLD for n in (p.dp, p.tp, p.hsdp_replicate)) and cfg.world_size > MAX_WORLD:
-        errors.append(f"the mesh hsdp_replicate * dp * tp = {p.hsdp_replicate} * {p.dp} * {p.tp} = "
-                      f"{cfg.world_size} GPUs must be at most {MAX_WORLD}: lower parallel.dp")
+    if all(1 <= n <= MAX_WORLD for n in (p.dp, p.tp, p.hsdp_replicate, p.pp)) and cfg.world_size > MAX_WORLD:
+        errors.append(f"the mesh {mesh_text(cfg)} GPUs must be at most {MAX_WORLD}: lower parallel.dp")
+
+
+def mesh_text(cfg: "JobConfig") -> str:
+    """``hsdp_replicate * dp * tp = 1 * 4 * 2 = 8`` (``pp * ...`` first when pp > 1)."""
+    p = cfg.parallel
+    names, sizes = ["hsdp_replicate", "dp", "tp"], [p.hsdp_replicate, p.dp, p.tp]
+    if p.pp > 1:
+        names, sizes = ["pp", *names], [p.pp, *sizes]
+    return f"{' * '.join(names)} = {' * '.join(map(str, sizes))} = {cfg.world_size}"
+
+
+def check_pipeline(cfg: "JobConfig", errors: list[str]) -> None:
+    """The stages a schedule needs, and enough layers to give each one."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return
+    stages = cfg.pp_stages_per_rank
+    if p.pp_schedule in SINGLE_STAGE_SCHEDULES and stages != 1:
+        errors.append(f"parallel.pp_schedule={p.pp_schedule!r} runs one stage per rank, not "
+                      f"parallel.pp_stages_per_rank={stages}: use Interleaved1F1B or LoopedBFS for more")
+    elif p.pp_schedule in V_SCHEDULES and stages != 2:
+        errors.append(f"parallel.pp_schedule={p.pp_schedule!r} runs exactly 2 stages per rank (a V), not "
+                      f"parallel.pp_stages_per_rank={stages}: set it to 2 (or none)")
+    elif p.pp_schedule not in SINGLE_STAGE_SCHEDULES and stages < 2:
+        errors.append(f"parallel.pp_schedule={p.pp_schedule!r} needs at least 2 stages per rank, not "
+                      f"parallel.pp_stages_per_rank={stages}: set 2 or more (or none), or use 1F1B")
+    if p.pp * stages > cfg.model.n_layers:
+        errors.append(f"parallel.pp * stages per rank = {p.pp} * {stages} = {p.pp * stages} stages need at least "
+                      f"as many layers, not model.n_layers={cfg.model.n_layers}: lower parallel.pp or add layers")
 
 
 def check_mesh(cfg: "JobConfig", world_size: int | None, errors: list[str]) -> None:
     p = cfg.parallel
-    mesh = f"hsdp_replicate * dp * tp = {p.hsdp_replicate} * {p.dp} * {p.tp} = {cfg.world_size}"
+    mesh = mesh_text(cfg)
     if p.nproc is not None and p.nproc != cfg.world_size:
         errors.append(f"parallel.nproc={p.nproc} but the mesh needs {mesh} processes: "
                       f"set parallel.nproc={cfg.world_size} (or none) or change the mesh")
     if world_size is None or world_size == cfg.world_size:
         return
-    other = p.hsdp_replicate * p.tp
+    other = p.pp * p.hsdp_replicate * p.tp
     fix = (f"set parallel.dp={world_size // other}" if world_size % other == 0 else
-           f"choose parallel.tp (and dp) whose product with hsdp_replicate is {world_size}")
+           f"choose parallel.tp (and dp) whose product with pp * hsdp_replicate is {world_size}")
     errors.append(f"parallel mesh {mesh} does not match the world size {world_size}: "
                   f"{fix}, or launch {cfg.world_size} processes")
 

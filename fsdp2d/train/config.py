@@ -48,7 +48,8 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, packaged as `tomli`
     import tomli as tomllib
 
-from ._rules import check_batch, check_mesh, check_model, check_ranges, error_text
+from ._rules import (SINGLE_STAGE_SCHEDULES, check_batch, check_mesh, check_model, check_pipeline, check_ranges,
+                     error_text)
 
 __all__ = [
     "ConfigError", "ModelConfig", "ParallelConfig", "SourceConfig", "DataConfig", "OptimConfig",
@@ -135,6 +136,19 @@ class ParallelConfig:
     with ``hsdp_replicate > 1`` it is the ``shard`` axis inside each replica)."""
     tp: int = 1
     """Tensor-parallel degree (the ``tp`` mesh axis, innermost: keep it within a node)."""
+    pp: int = 1
+    """Pipeline-parallel degree (the ``pp`` mesh axis, outermost): the layers are split into
+    ``pp * pp_stages_per_rank`` stages run by ``torch.distributed.pipelining`` (torchtitan's
+    ``pipeline_parallel_degree``); each stage is sharded over the other axes."""
+    pp_schedule: PipelineSchedule = "1F1B"
+    """The pipelining schedule, by torch's name (``torch.distributed.pipelining``'s
+    ``Schedule<name>`` classes, as torchtitan's ``pipeline_parallel_schedule``). The
+    micro-batches it pipelines per step are the per-rank batch over
+    ``training.micro_batch``."""
+    pp_stages_per_rank: int | None = None
+    """Stages each pipeline rank holds: 1 for GPipe and 1F1B, at least 2 for the
+    multi-stage schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble), exactly 2 for
+    the V-shaped ones (ZBVZeroBubble, DualPipeV). None: the schedule's smallest."""
     hsdp_replicate: int = 1
     """HSDP: number of full replicas (the ``replicate`` mesh axis); 1 = plain FSDP."""
     sequence_parallel: bool = False
@@ -143,10 +157,13 @@ class ParallelConfig:
     """Keep logits vocab-sharded over ``tp`` and compute a vocab-parallel cross-entropy."""
     nproc: int | None = None
     """Processes to launch locally when not started by torchrun; None = the mesh size
-    ``hsdp_replicate * dp * tp``. Ignored under torchrun."""
+    ``pp * hsdp_replicate * dp * tp``. Ignored under torchrun."""
     device: Literal["cpu", "cuda"] = "cpu"
     """``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per process)."""
 
+
+PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                           "ZBVZeroBubble", "DualPipeV"]
 
 DataFormat = Literal["auto", "text", "jsonl", "parquet", "arrow", "tokens", "uint16", "uint32"]
 
@@ -353,9 +370,15 @@ class JobConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes the mesh needs: ``hsdp_replicate * dp * tp``."""
+        """Processes the mesh needs: ``pp * hsdp_replicate * dp * tp``."""
         p = self.parallel
-        return p.hsdp_replicate * p.dp * p.tp
+        return p.pp * p.hsdp_replicate * p.dp * p.tp
+
+    @property
+    def pp_stages_per_rank(self) -> int:
+        """Resolved ``parallel.pp_stages_per_rank`` (None: 1 for single-stage schedules, else 2)."""
+        p = self.parallel
+        return p.pp_stages_per_rank or (1 if p.pp_schedule in SINGLE_STAGE_SCHEDULES else 2)
 
     @property
     def dp_degree(self) -> int:
@@ -364,14 +387,16 @@ class JobConfig:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """``(dp, tp)``, or ``(replicate, shard, tp)`` under HSDP."""
+        """``(dp, tp)``, or ``(replicate, shard, tp)`` under HSDP; ``pp`` first when > 1."""
         p = self.parallel
-        return (p.hsdp_replicate, p.dp, p.tp) if p.hsdp_replicate > 1 else (p.dp, p.tp)
+        shape = (p.hsdp_replicate, p.dp, p.tp) if p.hsdp_replicate > 1 else (p.dp, p.tp)
+        return (p.pp, *shape) if p.pp > 1 else shape
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
         """Axis names matching :attr:`mesh_shape`."""
-        return ("replicate", "shard", "tp") if self.parallel.hsdp_replicate > 1 else ("dp", "tp")
+        names = ("replicate", "shard", "tp") if self.parallel.hsdp_replicate > 1 else ("dp", "tp")
+        return ("pp", *names) if self.parallel.pp > 1 else names
 
     @property
     def micro_batch(self) -> int:
@@ -621,7 +646,8 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
 
     ``world_size`` is the number of processes actually running (torchrun's WORLD_SIZE);
     None checks only that ``parallel.nproc`` (if set) matches the mesh. Rules: types and
-    choices; per-field bounds; ``hsdp_replicate * dp * tp == world_size``; ``tp`` divides
+    choices; per-field bounds; ``pp * hsdp_replicate * dp * tp == world_size``; the
+    pipeline's stages; ``tp`` divides
     ``n_heads`` and ``n_kv_heads``; ``dim`` divisible by ``n_heads``; ``seq_len <=
     max_seq_len`` (and divisible by ``tp`` under sequence parallel); ``global_batch``
     divisible by the data-parallel ranks and the per-rank batch by ``micro_batch``;
@@ -634,6 +660,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         check_mesh(cfg, world_size, errors)
         check_model(cfg, errors)
         check_batch(cfg, errors)
+        check_pipeline(cfg, errors)
     if errors:
         raise ConfigError(error_text(errors))
 

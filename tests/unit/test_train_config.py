@@ -267,3 +267,25 @@ def test_config_overlays_apply_in_order(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key 'parallel.dpp'"):
         two.write_text("[parallel]\ndpp = 1\n")
         load_config(base, [], [two])
+
+
+def test_pipeline_fields_shape_the_mesh_and_are_checked():
+    """``parallel.pp`` puts a ``pp`` axis first (nothing changes at pp=1); a schedule's stage
+    count and the layers it needs are checked in one error listing every problem."""
+    cfg = JobConfig()
+    assert (cfg.mesh_shape, cfg.mesh_dim_names) == ((1, 1), ("dp", "tp"))
+    cfg.parallel.pp, cfg.parallel.dp, cfg.model.n_layers = 2, 2, 4
+    validate(cfg, world_size=4)
+    assert (cfg.mesh_shape, cfg.mesh_dim_names, cfg.pp_stages_per_rank) == ((2, 2, 1), ("pp", "dp", "tp"), 1)
+    cfg.parallel.pp_schedule = "Interleaved1F1B"
+    assert cfg.pp_stages_per_rank == 2
+    cfg.parallel.pp_schedule, cfg.parallel.pp_stages_per_rank, cfg.model.n_layers = "DualPipeV", 3, 5
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=6)
+    text = str(err.value)
+    assert "pp * hsdp_replicate * dp * tp = 2 * 1 * 2 * 1 = 4 does not match the world size 6" in text
+    assert "'DualPipeV' runs exactly 2 stages per rank (a V), not parallel.pp_stages_per_rank=3" in text
+    assert "2 * 3 = 6 stages need at least as many layers, not model.n_layers=5" in text
+    cfg.parallel.pp_schedule, cfg.parallel.pp_stages_per_rank = "1F1B", 2
+    with pytest.raises(ConfigError, match="'1F1B' runs one stage per rank"):
+        validate(cfg, world_size=4)
