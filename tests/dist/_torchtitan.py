@@ -125,14 +125,20 @@ def _model(parallelism, shape: str) -> torch.nn.Module:
     return model
 
 
+# The names torchtitan.distributed.fsdp imports from torch's FSDP2, all switched by default;
+# the issue's partial switches (fully_shard alone, fully_shard + MixedPrecisionPolicy) left
+# torchtitan's ``isinstance(m, FSDPModule)`` false for fsdp2d's modules before fsdp2d's class
+# subclassed torch's.
+ALL_NAMES = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy")
+
+
 @contextlib.contextmanager
-def _fsdp2d_names():
-    """torchtitan's FSDP module with its torch FSDP2 imports switched to fsdp2d's."""
+def _fsdp2d_names(names: tuple[str, ...]):
+    """torchtitan's FSDP module with ``names`` (its torch FSDP2 imports) switched to fsdp2d's."""
     import torchtitan.distributed.fsdp as ttf
 
     import fsdp2d
 
-    names = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy")
     saved = {n: getattr(ttf, n) for n in names}
     for n in names:
         setattr(ttf, n, getattr(fsdp2d, n))
@@ -143,8 +149,9 @@ def _fsdp2d_names():
             setattr(ttf, n, v)
 
 
-def train(impl: str, shape: str) -> dict:
-    """parallelize_llama with ``impl``'s fully_shard (torch or fsdp2d), STEPS AdamW steps."""
+def train(impl: str, shape: str, names: tuple[str, ...] = ALL_NAMES) -> dict:
+    """parallelize_llama with ``impl``'s fully_shard (torch or fsdp2d: ``names`` switched),
+    STEPS AdamW steps."""
     from torch.distributed.tensor import DTensor
 
     torch.set_num_threads(1)
@@ -153,7 +160,7 @@ def train(impl: str, shape: str) -> dict:
 
     parallelism, training, compile_config = _configs()
     model = _model(parallelism, shape)
-    with _fsdp2d_names() if impl == "fsdp2d" else contextlib.nullcontext():
+    with _fsdp2d_names(names) if impl == "fsdp2d" else contextlib.nullcontext():
         import torchtitan.distributed.fsdp as ttf
 
         parallelize_llama(model, parallel_dims=pd, training=training, parallelism=parallelism,
@@ -162,14 +169,19 @@ def train(impl: str, shape: str) -> dict:
     for m in fsdp_modules:
         m.set_force_sum_reduction_for_comms(True)
     batch_mesh = pd.get_mesh("batch")
-    losses = _steps(model, SHAPES[shape][0], batch_mesh.get_local_rank(), batch_mesh.size(), batch_mesh.get_group())
+    losses, norms = _steps(model, SHAPES[shape][0], batch_mesh.get_local_rank(), batch_mesh.size(),
+                           batch_mesh.get_group())
     with torch.no_grad():
         params = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
                   for name, p in model.named_parameters()}
-    out = {"losses": losses, "params": params, "fsdp_modules": sorted(type(m).__name__ for m in fsdp_modules),
+    out = {"losses": losses, "grad_norms": norms, "params": params,
+           "fsdp_modules": sorted(type(m).__name__ for m in fsdp_modules),
            "types": sorted({type(m).__module__.split(".")[0] for m in fsdp_modules})}
     if impl == "fsdp2d":  # torchtitan's disable_fsdp_gradient_division reached fsdp2d's groups
-        groups = [m._fsdp2d_fsdp.group for m in fsdp_modules]  # None: a root that owns no parameter
+        import fsdp2d
+
+        # None: a root that owns no parameter
+        groups = [m._fsdp2d_fsdp.group for m in model.modules() if isinstance(m, fsdp2d.FSDPModule)]
         out["divide_factors"] = sorted({g.divide_factor for g in groups if g is not None})
     return out
 
@@ -179,18 +191,30 @@ def reference(shape: str) -> dict:
     torch.set_num_threads(1)
     parallelism, _, _ = _configs()
     model = _model(parallelism, shape)
-    losses = _steps(model, SHAPES[shape][0], 0, 1, None)
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    losses, norms = _steps(model, SHAPES[shape][0], 0, 1, None)
+    return {"losses": losses, "grad_norms": norms,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _steps(model: torch.nn.Module, vocab: int, rank: int, n: int, group) -> list[float]:
-    """STEPS AdamW steps on this data rank's rows of each global batch; the global losses."""
+def _grad_norm(model: torch.nn.Module) -> float:
+    """The 2-norm of all full gradients (each DTensor gradient gathered whole)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        squares = [(g.full_tensor() if isinstance(g, DTensor) else g).double().pow(2).sum()
+                   for g in (p.grad for p in model.parameters()) if g is not None]
+    return torch.stack(squares).sum().sqrt().item()
+
+
+def _steps(model: torch.nn.Module, vocab: int, rank: int, n: int, group) -> tuple[list[float], list[float]]:
+    """STEPS AdamW steps on this data rank's rows of each global batch; the global losses
+    and the gradient norms."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=P.EPS, weight_decay=0.1, foreach=True)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 + step)
         tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)  # (B, T + 1)
@@ -202,10 +226,11 @@ def _steps(model: torch.nn.Module, vocab: int, rank: int, n: int, group) -> list
         # (FSDP's gradient division is off: the reduce-scatter sums).
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / (BATCH * SEQ)
         loss.backward()
+        norms.append(_grad_norm(model))
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
         if group is not None:
             dist.all_reduce(total, group=group)
         losses.append(total.item())
-    return losses
+    return losses, norms
