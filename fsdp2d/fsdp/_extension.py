@@ -81,6 +81,13 @@ class Extension:
         self.input_shapes: list[torch.Size] = []
         self.metadata: Any = None
         self.created = False  # the unsharded parameter comes from the post hook
+        self.shard_mesh: Any = None  # the mesh's shard axis, sliced once (a slice costs ~0.1-0.5 ms)
+
+    def _shard_mesh(self, p: Any) -> Any:
+        """The 1-D shard mesh the pre-all-gather hook is given (the last axis under HSDP)."""
+        if self.shard_mesh is None:
+            self.shard_mesh = p.mesh if p.mesh.ndim == 1 else p.mesh[p.mesh.mesh_dim_names[-1]]
+        return self.shard_mesh
 
     # -- at rest ---------------------------------------------------------------------------
     def data_of(self, t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +106,7 @@ class Extension:
     def inputs(self, p: Any, mp: Any) -> list[torch.Tensor]:
         """This rank's all-gather inputs, padded to ``p.padded_rows`` rows, contiguous."""
         local = p.sharded._local_tensor
-        mesh = p.mesh if p.mesh.ndim == 1 else p.mesh[p.mesh.mesh_dim_names[-1]]  # the shard axis
+        mesh = self._shard_mesh(p)
         if self.n_args == 1:
             inputs, self.metadata = local.fsdp_pre_all_gather(mesh)
         else:

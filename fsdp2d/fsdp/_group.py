@@ -102,6 +102,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         self.flats: dict[torch.dtype, torch.Tensor] = {}  # sharded storage, one per parameter dtype
         self.requires_sync = True
         self.reshard_after_forward = True
+        self.reshard_after_forward_chosen = False  # by fully_shard's keyword or the setter: kept on the root
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # FSDPModule.set_unshard_in_backward
         self.unsharded = False
@@ -147,7 +148,9 @@ class FSDPParamGroup(Unshard, GradReduction):
         if isinstance(self.offload, CPUOffloadPolicy) and any(p.ext is not None for p in self.params):
             p = next(p for p in self.params if p.ext is not None)
             raise NotImplementedError(f"fully_shard: parameter {p.fqn!r} ({p.ext.cls.__name__}) uses FSDP2's "
-                                      f"all-gather extension, which fsdp2d does not combine with CPUOffloadPolicy")
+                                      f"all-gather extension, which fsdp2d does not combine with CPUOffloadPolicy: drop "
+                                      f"offload_policy, or turn the extension off (torchao: "
+                                      f"enable_fsdp_float8_all_gather=False)")
         if isinstance(self.offload, CPUOffloadPolicy) and self.mesh_device.type != "cpu":
             source = torch.device("cpu") if initial and device.type not in ("cpu", "meta") else device
             store, device = offload_placement([p.fqn for p in self.params], source, self.mesh_device)
@@ -186,7 +189,8 @@ class FSDPParamGroup(Unshard, GradReduction):
                 mark_replaced(current, p.fqn, "fully_shard")
             if old is not current and old is not p.sharded:
                 mark_replaced(old, p.fqn, "to_empty(), .to() or load_state_dict(assign=True) on the model")
-            p.expected_local = local
+            p.expected_local = local_of(p.sharded)  # (for a subclass: the object the DTensor holds,
+            # a new wrapper when nn.Parameter detached it)
             p.sharded_storage = storage_of(p.sharded)
             p.sharded._fsdp2d_steps = self.optimizer_steps
             p.register("sharded")

@@ -204,7 +204,7 @@ class FSDPModule(_TorchFSDPModule):
         root, which fsdp2d otherwise keeps gathered; ``False`` for evaluation)."""
         _check_bool("set_reshard_after_forward", reshard_after_forward)
         for g in self._groups(recurse):
-            g.reshard_after_forward = reshard_after_forward
+            g.reshard_after_forward, g.reshard_after_forward_chosen = reshard_after_forward, True
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after backward (``False`` saves the

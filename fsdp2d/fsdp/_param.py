@@ -216,6 +216,7 @@ class FSDPParam:
         """Make the unsharded parameter from what the post-all-gather hook returned (its
         first rows; a DTensor when the module computes on them), once, at the first gather."""
         rows = torch.as_strided(full, self.unsharded_shape, torch.empty(self.unsharded_shape, device="meta").stride(), 0)
+        self._rows = rows.detach()  # what a .data assignment is undone to (see restore_unsharded)
         if self.tp_spec is not None:
             rows = as_dtensor(rows, self._unsharded_spec(rows.dtype))
         self.unsharded = nn.Parameter(rows, requires_grad=self.requires_grad)

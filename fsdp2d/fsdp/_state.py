@@ -165,7 +165,8 @@ class FSDPState:
             if s.group is not None:
                 s.group.ctx = ctx
                 s.group.label = ", ".join(paths[id(s)])  # e.g. "layers.0", "norm, output", "" (root)
-        if self.group is not None:  # the root's parameters are needed first in backward
+        if self.group is not None and not self.group.reshard_after_forward_chosen:
+            # the root's parameters are needed first in backward (as torch: unless the user chose)
             self.group.reshard_after_forward = False
 
     @_eager

@@ -301,6 +301,11 @@ class Unshard:
         assigned tensor of another dtype: a shard keeps its dtype). Every edited copy is
         checked: a mixed-dtype group may hold exact copies (bf16 of bf16 shards) next to
         rounded ones (bf16 of fp32 shards)."""
+        for q in edited:
+            if q.ext is not None:
+                return q, (f"its gathered copy is what the all-gather extension's fsdp_post_all_gather made "
+                           f"({q.ext.cls.__name__}: e.g. float8 values), not the shards' values, so writing it back "
+                           f"would round the shards")
         if self._shard_versions() != self._gathered_versions:
             return edited[0], ("its shards changed too since they were gathered (an optimizer step, a load, or an "
                                "edit through the sharded parameter), so the edit was made to a stale copy")

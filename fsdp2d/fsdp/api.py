@@ -115,6 +115,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
         _check_shardable(m)
+    chosen = reshard_after_forward is not None  # (None: the root keeps its parameters, see FSDPState)
     reshard_after_forward = _check_options(reshard_after_forward, dp_mesh_dims)
     mesh = mesh if mesh is not None else _world_mesh()
     if not isinstance(mesh, DeviceMesh):
@@ -135,7 +136,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     group = FSDPParamGroup(params, mesh.get_group(mesh.ndim - 1), replicate, mp_policy, offload_policy,
                            name, _mesh_device(mesh)) if params else None
     if group is not None:
-        group.reshard_after_forward = reshard_after_forward
+        group.reshard_after_forward, group.reshard_after_forward_chosen = reshard_after_forward, chosen
     state = FSDPState(modules, group, mp_policy)
     for p in params:
         p.module.__dict__.setdefault("_fsdp2d_fsdp_owner", state)

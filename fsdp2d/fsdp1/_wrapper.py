@@ -43,8 +43,10 @@ from ..tensor_parallel._params import tp_params
 from . import _init, _mesh, _state_dict, _summon
 from ._unit import Unit
 
+# None: after forward every unit but the root reshards (FSDP1 keeps the root's parameters,
+# which backward needs first; FSDP2's default does the same).
 _RESHARD_AFTER_FORWARD = {
-    ShardingStrategy.FULL_SHARD: True, ShardingStrategy.HYBRID_SHARD: True,
+    ShardingStrategy.FULL_SHARD: None, ShardingStrategy.HYBRID_SHARD: None,
     ShardingStrategy.SHARD_GRAD_OP: False, ShardingStrategy._HYBRID_SHARD_ZERO2: False,
     ShardingStrategy.NO_SHARD: False,
 }
@@ -256,7 +258,7 @@ class FullyShardedDataParallel(Unit):
         units = [m.module for m in fsdp]
         # As torch: SHARD_GRAD_OP / _HYBRID_SHARD_ZERO2 units keep their parameters
         # unsharded through no_sync backwards (the next forward gathers nothing).
-        keep = [m.module for m in fsdp if not _RESHARD_AFTER_FORWARD[m._fsdp1_strategy]]
+        keep = [m.module for m in fsdp if _RESHARD_AFTER_FORWARD[m._fsdp1_strategy] is False]
         for u in units:
             u.set_requires_gradient_sync(False, recurse=False)
         for u in keep:

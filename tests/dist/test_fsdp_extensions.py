@@ -187,3 +187,55 @@ def test_subclasses_fsdp2d_cannot_shard_are_refused(pool):
         assert "\n" not in msg and r["nf4_untouched"]
         kind, msg = r["two"]
         assert kind == "ValueError" and "'weight' is a TwoTensor" in msg and "dropping the subclass" in msg, r["two"]
+
+
+def job_float8_edits() -> dict:
+    """Edits of float8 (extension) parameters on a dp=4 mesh (review of the merge of the
+    extension protocol with the .data checks): the group is not rebuilt at its first use;
+    a ``.data`` assignment on a sharded parameter before the first forward is refused (it
+    was lost: the rebuild read the old local tensor); one on the gathered copy, which is
+    what ``fsdp_post_all_gather`` made (float8 values), is refused at the reshard and the
+    shards keep their float32 values (they were replaced by their float8 round trip)."""
+    import torch
+    from torch import nn
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    import fsdp2d
+
+    mesh = get_mesh((4,), ("dp",))
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=False))
+        convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        for sub in (m[0], m[2], m):
+            fsdp2d.fully_shard(sub, mesh=mesh)
+        return m
+
+    def local(m):
+        return m[0].weight._local_tensor._tensor.detach().clone()
+
+    x = torch.randn(8, 32)
+    m = build()
+    groups = [m[0]._fsdp2d_fsdp.group, m[2]._fsdp2d_fsdp.group]
+    rebuilt = [g.fqn for g in groups if any(g._replaced(p) for p in g.params)]  # what sync_params rebuilds
+    m = build()
+    m[0].weight.data = torch.zeros_like(m[0].weight.data)
+    sharded_before_forward = capture_error(lambda: m(x))
+    m = build()
+    before = local(m)
+    m[0].unshard()
+    m[0].weight.data = torch.randn(64, 32)
+    gathered = capture_error(lambda: m[0].reshard())
+    return {"rebuilt": rebuilt, "sharded": sharded_before_forward, "gathered": gathered,
+            "kept": torch.equal(local(m), before), "trains": bool(torch.isfinite(m(x)).all())}
+
+
+def test_float8_parameter_edits_are_seen_or_refused(pool):
+    for r in pool.run(job_float8_edits):
+        assert r["rebuilt"] == [], r["rebuilt"]
+        kind, msg = r["sharded"]
+        assert kind == "RuntimeError" and "'weight'" in msg and "had its .data assigned" in msg, r["sharded"]
+        kind, msg = r["gathered"]
+        assert kind == "RuntimeError" and "'weight'" in msg and "fsdp_post_all_gather made" in msg, r["gathered"]
+        assert r["kept"] and r["trains"], r

@@ -370,3 +370,38 @@ def test_compiled_block_matches_eager(pool):
     for r in results:
         assert r["graphs"] >= 1 and r["hook_breaks"] >= 2, r  # compiled, and the hooks ran outside
         assert r["loss_err"] < 1e-6 and r["param_err"] < 1e-5, r
+
+
+def job_root_reshard_after_forward() -> dict:
+    """Whether the root's parameters stay gathered after forward, torch's FSDP2 and
+    fsdp2d side by side: by default the root keeps them (backward needs them first); an
+    explicit ``reshard_after_forward=True``, or ``set_reshard_after_forward(True)`` before
+    the first forward, is kept (fsdp2d overrode both at its lazy init)."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fsdp2d
+
+    mesh = get_mesh((4,), ("dp",))
+    out = {}
+    for how in ("default", "keyword", "setter"):
+        for lib, fs in (("torch", torch_fully_shard), ("fsdp2d", fsdp2d.fully_shard)):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+            fs(m[0], mesh=mesh)
+            fs(m, mesh=mesh, **({"reshard_after_forward": True} if how == "keyword" else {}))
+            if how == "setter":
+                m.set_reshard_after_forward(True, recurse=False)
+            y = m(torch.randn(2, 8))
+            # the root's own parameter (m[2].weight) is the sharded DTensor again, or not
+            out[how, lib] = isinstance(m[2].weight, torch.distributed.tensor.DTensor)
+            y.sum().backward()
+    return out
+
+
+def test_root_reshard_after_forward_as_torch(pool):
+    for r in pool.run(job_root_reshard_after_forward):
+        assert r[("default", "torch")] is False and r[("keyword", "torch")] is True, r
+        for how in ("default", "keyword", "setter"):
+            assert r[how, "fsdp2d"] == r[how, "torch"], (how, r)
