@@ -129,8 +129,11 @@ class FSDPModule(_TorchFSDPModule):
 
     def reset_iter_state(self) -> None:
         """After a forward or backward that raised: finish and discard in-flight
-        collectives, drop that iteration's gradients, reshard, reset per-iteration state
-        (as torch). Call on the root; the next forward of the root does it by itself."""
+        collectives, drop the failed backward's pending reductions, reshard, reset
+        per-iteration state (as torch). Gradients already accumulated unsharded under
+        ``set_requires_gradient_sync(False)`` are kept, as torch keeps them: zero them to
+        restart an accumulation. Call on the root; the next forward of the root does it by
+        itself."""
         state = self._fsdp2d_fsdp
         if state.ctx is not None and not state.is_root:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
