@@ -163,7 +163,15 @@ def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_n
         from .pipeline import pipeline_plan
 
         report["pp"] = cfg.parallel.pp
-        report["pipeline"] = pipeline_plan(cfg, world, gpu, gpus_per_node, flops_per_token, ranks)
+        e = report["pipeline"] = pipeline_plan(cfg, world, gpu, gpus_per_node, flops_per_token, ranks)
+        checked = sorted({*ranks, e["heaviest_pp_rank"] * (world // cfg.parallel.pp)})  # and the heaviest's
+        if on_header is not None:
+            on_header(report)
+            print(f"  dry-running the largest stage of pipeline ranks "
+                  f"{sorted({r // (world // cfg.parallel.pp) for r in checked})} ...", flush=True)
+        from ._stage import check_stages
+
+        e["checks"] = check_stages(cfg, world, checked, gpu, gpus_per_node)
         return report
     if on_header is not None:
         on_header(report)
@@ -293,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if "pipeline" in report:
         from .pipeline import format_pipeline
 
-        print(json.dumps(report) if args.json else f"{format_header(report, args.config)}\n{format_pipeline(report)}")
+        print(json.dumps(report) if args.json else format_pipeline(report))
         return 0
     print(json.dumps(report) if args.json else format_ranks(report))
     return 0

@@ -64,8 +64,8 @@ from fsdp2d.train.config import ConfigError, JobConfig
 
 from .estimate import GPU, wire_factor
 
-__all__ = ["Pipeline", "ModelCounts", "in_flight", "bubble", "rank_memory", "rank_estimate", "pipeline_plan",
-           "format_pipeline", "check_pipeline_plan"]
+__all__ = ["Pipeline", "ModelCounts", "in_flight", "bubble", "rank_memory", "stage_figures", "rank_stages",
+           "rank_estimate", "pipeline_plan", "format_pipeline", "check_pipeline_plan", "stage_seconds"]
 
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
@@ -153,10 +153,31 @@ def bubble(pipe: Pipeline) -> float:
     return (pipe.pp - 1) / pipe.stages
 
 
-def _rank_stages(cfg: JobConfig, pipe: Pipeline, pp_rank: int) -> list[tuple[int, range]]:
+def rank_stages(cfg: JobConfig, pipe: Pipeline, pp_rank: int) -> list[tuple[int, range]]:
     split = stage_layers(cfg.model.n_layers, pipe.pp * pipe.stages)
     ids = stages_of_rank(pp_rank, pipe.pp, pipe.stages, pipe.schedule in V_SCHEDULES)
     return [(s, split[s]) for s in ids]
+
+
+def _stage_params(counts: ModelCounts, stage: int, layers: int, n_stages: int) -> int:
+    return layers * counts.per_layer + (stage == 0) * counts.embedding + (stage == n_stages - 1) * counts.head
+
+
+def stage_figures(cfg: JobConfig, counts: ModelCounts, stage: int, chunks: int) -> dict:
+    """The model's bytes for one stage with ``chunks`` micro-batches in flight (what
+    :func:`fsdp2d.plan._stage.stage_dry_run` measures, to check them)."""
+    from .search import activation_bytes, logit_bytes
+
+    p = cfg.parallel
+    n_stages = p.pp * cfg.pp_stages_per_rank
+    layers = len(stage_layers(cfg.model.n_layers, n_stages)[stage])
+    params = _stage_params(counts, stage, layers, n_stages)
+    a = 2 if cfg.training.mixed_precision == "bf16" else 4
+    states, held = 16 * params / (p.dp * p.tp), (4 + a) * params / p.tp
+    chunk = activation_bytes(cfg, layers)
+    logits = logit_bytes(cfg) if stage == n_stages - 1 else 0.0
+    return {"layers": layers, "parameters": params, "states": states, "unsharded_held": held, "chunk": chunk,
+            "logits": logits, "peak": states + held + chunks * chunk + logits}
 
 
 def rank_memory(cfg: JobConfig, counts: ModelCounts, pp_rank: int) -> dict:
@@ -164,10 +185,9 @@ def rank_memory(cfg: JobConfig, counts: ModelCounts, pp_rank: int) -> dict:
     from .search import activation_bytes, logit_bytes
 
     p, pipe = cfg.parallel, Pipeline.of(cfg)
-    stages = _rank_stages(cfg, pipe, pp_rank)
+    stages = rank_stages(cfg, pipe, pp_rank)
     n_stages = pipe.pp * pipe.stages
-    params = sum(len(layers) * counts.per_layer + (s == 0) * counts.embedding + (s == n_stages - 1) * counts.head
-                 for s, layers in stages)
+    params = sum(_stage_params(counts, s, len(layers), n_stages) for s, layers in stages)
     a = 2 if cfg.training.mixed_precision == "bf16" else 4
     states = 16 * params / (p.dp * p.tp)
     held = (4 + a) * params / p.tp
@@ -185,7 +205,7 @@ def _link(stride: int, size: int, gpus_per_node: int, gpu: GPU) -> tuple[str, fl
     return ("nvlink", gpu.nvlink_bytes_per_s) if inside else ("network", gpu.network_bytes_per_s)
 
 
-def _stage_seconds(cfg: JobConfig, counts: ModelCounts, layers: int, first: bool, last: bool, gpu: GPU,
+def stage_seconds(cfg: JobConfig, counts: ModelCounts, layers: int, first: bool, last: bool, gpu: GPU,
                    gpus_per_node: int) -> tuple[float, float]:
     """(compute, TP communication) seconds of one micro-batch's forward and backward of a stage."""
     m, p = cfg.model, cfg.parallel
@@ -213,8 +233,8 @@ def rank_estimate(cfg: JobConfig, counts: ModelCounts, pp_rank: int, gpu: GPU, g
     n_stages = pipe.pp * pipe.stages
     mem = rank_memory(cfg, counts, pp_rank)
     compute = tp = 0.0
-    for s, layers in _rank_stages(cfg, pipe, pp_rank):
-        c, t = _stage_seconds(cfg, counts, len(layers), s == 0, s == n_stages - 1, gpu, gpus_per_node)
+    for s, layers in rank_stages(cfg, pipe, pp_rank):
+        c, t = stage_seconds(cfg, counts, len(layers), s == 0, s == n_stages - 1, gpu, gpus_per_node)
         compute, tp = compute + c, tp + t
     a = 2 if cfg.training.mixed_precision == "bf16" else 4
     s_ = p.tp if p.sequence_parallel else 1
@@ -269,8 +289,9 @@ def format_pipeline(report: dict) -> str:
     lines = [f"pipeline: {e['schedule']}, {e['stages_per_rank']} stage(s) per rank, {e['microbatches']} micro-batches "
              f"per step, bubble {e['bubble_microbatches']:.2f} micro-batches ({e['bubble_fraction'] * 100:.1f}% of the "
              f"step)",
-             "  ANALYTIC: no dry run for parallel.pp > 1 (fsdp2d's trainer does not run pipelines yet): the figures "
-             "below are fsdp2d/plan/pipeline.py's closed-form model, no transients counted"]
+             "  ANALYTIC: fsdp2d's trainer does not run pipelines yet, so the figures below are "
+             "fsdp2d/plan/pipeline.py's closed-form model (no transients counted); the dry runs of single "
+             "stages at the end check its pieces"]
     for r, row in e["pp_ranks"].items():
         m = row["memory"]
         lines += [
@@ -294,5 +315,9 @@ def format_pipeline(report: dict) -> str:
     peak, hbm = e["peak"], e["hbm_bytes"]
     lines.append(f"    {'fits' if e['fits'] else 'does not fit'}: heaviest pipeline rank {e['heaviest_pp_rank']} "
                  f"{_gib(peak)} of {_gib(hbm)} GiB" + ("" if e["fits"] else f" ({_gib(peak - hbm)} GiB over)"))
+    if "checks" in e:
+        from ._stage import format_checks
+
+        lines += format_checks(e["checks"])
     return "\n".join(lines)
 
