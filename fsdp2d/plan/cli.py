@@ -12,9 +12,13 @@ allocated), side by side in forked processes, one per CPU (a single rank, or a s
 CPU: in this process), each printing a line as a stage starts, then prints per rank the
 measured memory, padding and collectives per mesh axis, and the roofline estimate of
 :mod:`fsdp2d.plan.estimate` for the GPU. ``--search`` ranks every configuration of the model on the world size instead
-(:mod:`fsdp2d.plan.search`).
+(:mod:`fsdp2d.plan.search`). With ``parallel.pp > 1`` the memory and step are
+:mod:`fsdp2d.plan.pipeline`'s closed-form model (the trainer runs no pipeline to dry-run),
+checked by a dry run of the largest stage of each pipeline rank shown
+(:mod:`fsdp2d.plan._stage`).
 
-A world size other than the config's changes the FSDP degree (``parallel.dp``) and keeps
+A world size other than the config's changes the FSDP degree (``parallel.dp``; ``pp *
+hsdp_replicate * tp`` stay) and keeps
 the per-rank batch (``training.global_batch`` scales with the data-parallel ranks)
 unless ``--training.global_batch`` is given. Errors (a world size the parallel dims do
 not divide or that is not whole nodes, more than 2^20 GPUs, an unknown GPU, a rank outside

@@ -1,11 +1,14 @@
 """``fsdp2d plan`` with pipeline parallelism (``parallel.pp > 1``): a closed-form model of one
-pipeline rank, not a dry run.
+pipeline rank, checked by a dry run of single stages.
 
-fsdp2d's trainer does not run pipelines yet, so there is no training step of a stage to
-dry-run: a ``pp > 1`` plan is **analytic only**, and says so in its output. Every input is a
-count (the model's parameters per layer and at the ends, from the meta model; the
+fsdp2d's trainer does not run pipelines yet, so there is no pipelined training step to
+dry-run: a ``pp > 1`` plan's memory and step are **analytic**, and its output says so. Every
+input is a count (the model's parameters per layer and at the ends, from the meta model; the
 schedule's micro-batches in flight, from torch's own schedule arithmetic) or a figure of
-:data:`fsdp2d.plan.estimate.GPUS`.
+:data:`fsdp2d.plan.estimate.GPUS`. ``fsdp2d plan`` then dry-runs the largest stage of each
+pipeline rank it shows (and of the heaviest one) with two micro-batches in flight
+(:mod:`fsdp2d.plan._stage`) and prints the measured states, peak, bytes per micro-batch in
+flight and compute beside this model's figures for the same stage.
 
 **Which layers.** Stage ``s`` holds ``stage_layers(n_layers, pp * stages_per_rank)[s]``
 (:mod:`fsdp2d.models.stages`, the trainer's rule), plus the token embedding on stage 0 and

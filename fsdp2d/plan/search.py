@@ -19,6 +19,11 @@
 Configurations the batch cannot split over, or a ``tp`` the heads or the node cannot
 take, are listed as rejected with the reason.
 
+**Pipeline meshes** (``pp x dp x tp``, ``pp > 1``) are candidates too, in a list of their own:
+:mod:`fsdp2d.plan._search_pp` enumerates them and estimates each with
+:mod:`fsdp2d.plan.pipeline`'s closed-form model (no dry run: fsdp2d's trainer does not run
+pipelines yet), ranked among themselves by :func:`rank_key`.
+
 **Pruning** by a closed-form lower bound of the peak (bytes per rank, :func:`memory_bound`),
 before any dry run: with ``P`` parameters, ``S = dp x tp`` ranks sharding them, ``L``
 blocks of micro-batch ``b`` x ``T`` tokens, ``a`` bytes per activation element (2 under
