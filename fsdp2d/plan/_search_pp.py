@@ -90,12 +90,12 @@ def format_pipeline_search(found: dict, limit: int = 10) -> list[str]:
     lines = [f"  pipeline meshes (pp x dp x tp), {found['candidates']} candidates: ANALYTIC, not dry-run "
              f"(fsdp2d/plan/pipeline.py; its compute has no HBM term: compare these rows among themselves), "
              f"{len(found['ranked'])} fit",
-             f"  {'#':>3} {'mesh':<24} {'ckpt':<9} {'mb':<7} {'tok/s/GPU':>9} {'MFU':>6} {'step s':>7} "
+             f"  {'#':>3} {'mesh':<27} {'ckpt':<9} {'mb':<7} {'tok/s/GPU':>9} {'MFU':>6} {'step s':>7} "
              f"{'peak GiB':>8} {'free GiB':>8}  bubble"]
     for i, row in enumerate(found["ranked"][:limit], 1):
         c, e = row["choice"], row["estimate"]
         mesh = f"pp{c['pp']}x{c['dp']}x{c['tp']} {c['schedule']}"
-        lines.append(f"  {i:>3} {mesh:<24} {c['checkpointing']:<9} {c['micro_batch']}x{c['accum']:<5} "
+        lines.append(f"  {i:>3} {mesh:<27} {c['checkpointing']:<9} {c['micro_batch']}x{c['accum']:<5} "
                      f"{e['tokens_per_s_per_gpu']:>9.0f} {e['mfu'] * 100:>5.1f}% {e['step_s']:>7.3f} "
                      f"{row['peak'] / GiB:>8.2f} {row['headroom'] / GiB:>8.2f}  {e['bubble_fraction'] * 100:.1f}%")
     if len(found["ranked"]) > limit:

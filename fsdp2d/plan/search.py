@@ -123,7 +123,7 @@ class Choice:
         mesh = f"{self.replicate}x{self.dp}x{self.tp}" if self.replicate > 1 else f"{self.dp}x{self.tp}"
         if self.pp > 1:
             mesh = f"pp{self.pp}x{mesh} {self.schedule}"
-        sync = f" {self.grad_sync}" if self.accum > 1 else ""
+        sync = f" {self.grad_sync}" if self.accum > 1 and self.pp == 1 else ""  # a pipeline syncs once a step
         return f"{mesh} {self.checkpointing} mb{self.micro_batch}x{self.accum}{sync}"
 
     def fields(self, global_batch: int, base: JobConfig) -> dict[str, dict[str, Any]]:
