@@ -14,7 +14,7 @@ from fsdp2d.plan._search_pp import pipeline_candidates
 from fsdp2d.plan.cli import main, resolve
 from fsdp2d.plan.estimate import GPUS
 from fsdp2d.plan.pipeline import ModelCounts, Pipeline, bubble, in_flight, pipeline_plan, rank_memory
-from fsdp2d.train.config import ConfigError, load_config
+from fsdp2d.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "llama3_405b_512gpu.toml")
