@@ -12,9 +12,13 @@ allocated), side by side in forked processes, one per CPU (a single rank, or a s
 CPU: in this process), each printing a line as a stage starts, then prints per rank the
 measured memory, padding and collectives per mesh axis, and the roofline estimate of
 :mod:`fsdp2d.plan.estimate` for the GPU. ``--search`` ranks every configuration of the model on the world size instead
-(:mod:`fsdp2d.plan.search`).
+(:mod:`fsdp2d.plan.search`). With ``parallel.pp > 1`` the memory and step are
+:mod:`fsdp2d.plan.pipeline`'s closed-form model (the trainer runs no pipeline to dry-run),
+checked by a dry run of the largest stage of each pipeline rank shown
+(:mod:`fsdp2d.plan._stage`).
 
-A world size other than the config's changes the FSDP degree (``parallel.dp``) and keeps
+A world size other than the config's changes the FSDP degree (``parallel.dp``; ``pp *
+hsdp_replicate * tp`` stay) and keeps
 the per-rank batch (``training.global_batch`` scales with the data-parallel ranks)
 unless ``--training.global_batch`` is given. Errors (a world size the parallel dims do
 not divide or that is not whole nodes, more than 2^20 GPUs, an unknown GPU, a rank outside
@@ -74,10 +78,12 @@ def resolve(config: str, overrides: list[str], world: int | None, overlays: list
     cfg = load_config(config, overrides, overlays)
     p = cfg.parallel
     if world is not None and world != cfg.world_size and min(p.dp, p.tp, p.hsdp_replicate) >= 1:
-        other = p.hsdp_replicate * p.tp
+        other = p.pp * p.hsdp_replicate * p.tp
         if world % other:
-            raise ConfigError(f"world size {world} is not divisible by hsdp_replicate * tp = {p.hsdp_replicate} * "
-                              f"{p.tp} = {other}: choose a multiple of {other} or change --parallel.tp")
+            axes = ("pp * " if p.pp > 1 else "") + "hsdp_replicate * tp"
+            sizes = (f"{p.pp} * " if p.pp > 1 else "") + f"{p.hsdp_replicate} * {p.tp}"
+            raise ConfigError(f"world size {world} is not divisible by {axes} = {sizes} = {other}: choose a "
+                              f"multiple of {other} or change --parallel.tp")
         per_rank = cfg.training.global_batch // cfg.dp_degree
         p.dp = world // other
         if not any(o.startswith("--training.global_batch") for o in overrides):
@@ -157,6 +163,20 @@ def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_n
               "model_params": model.num_params(), "flops_per_token": flops_per_token,
               "tokens_per_gpu_per_step": tokens_per_gpu,
               "micro_batch": cfg.micro_batch, "accum_steps": cfg.accum_steps, "ranks": []}
+    if cfg.parallel.pp > 1:  # analytic only: fsdp2d's trainer runs no pipeline to dry-run (pipeline.py)
+        from .pipeline import pipeline_plan
+
+        report["pp"] = cfg.parallel.pp
+        e = report["pipeline"] = pipeline_plan(cfg, world, gpu, gpus_per_node, flops_per_token, ranks)
+        checked = sorted({*ranks, e["heaviest_pp_rank"] * (world // cfg.parallel.pp)})  # and the heaviest's
+        if on_header is not None:
+            on_header(report)
+            print(f"  dry-running the largest stage of pipeline ranks "
+                  f"{sorted({r // (world // cfg.parallel.pp) for r in checked})} ...", flush=True)
+        from ._stage import check_stages
+
+        e["checks"] = check_stages(cfg, world, checked, gpu, gpus_per_node)
+        return report
     if on_header is not None:
         on_header(report)
     for rank, (measured, seconds) in zip(ranks, _dry_runs(cfg, world, ranks, verbose=on_header is not None)):
@@ -277,6 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     def header(report: dict) -> None:
         print(format_header(report, args.config), flush=True)
 
-    report = plan(cfg, world, ranks, args.gpu, min(args.gpus_per_node, world), None if args.json else header)
+    try:
+        report = plan(cfg, world, ranks, args.gpu, min(args.gpus_per_node, world), None if args.json else header)
+    except ConfigError as exc:  # what the pipeline model (pp > 1) does not cover
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if "pipeline" in report:
+        from .pipeline import format_pipeline
+
+        print(json.dumps(report) if args.json else format_pipeline(report))
+        return 0
     print(json.dumps(report) if args.json else format_ranks(report))
     return 0

@@ -19,6 +19,11 @@
 Configurations the batch cannot split over, or a ``tp`` the heads or the node cannot
 take, are listed as rejected with the reason.
 
+**Pipeline meshes** (``pp x dp x tp``, ``pp > 1``) are candidates too, in a list of their own:
+:mod:`fsdp2d.plan._search_pp` enumerates them and estimates each with
+:mod:`fsdp2d.plan.pipeline`'s closed-form model (no dry run: fsdp2d's trainer does not run
+pipelines yet), ranked among themselves by :func:`rank_key`.
+
 **Pruning** by a closed-form lower bound of the peak (bytes per rank, :func:`memory_bound`),
 before any dry run: with ``P`` parameters, ``S = dp x tp`` ranks sharding them, ``L``
 blocks of micro-batch ``b`` x ``T`` tokens, ``a`` bytes per activation element (2 under
@@ -81,7 +86,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp2d.train._rules import MAX_WORLD, check_ranges, divisors, error_text
+from fsdp2d.train._rules import MAX_WORLD, SINGLE_STAGE_SCHEDULES, check_ranges, divisors, error_text
 from fsdp2d.train.config import ConfigError, JobConfig, validate
 
 from .estimate import GPUS, GPU, comm_table, estimate, op_count, roofline_seconds
@@ -110,10 +115,15 @@ class Choice:
     micro_batch: int
     accum: int
     grad_sync: str
+    pp: int = 1
+    schedule: str = "1F1B"
+    """``parallel.pp_schedule`` (pp > 1 only)."""
 
     def label(self) -> str:
         mesh = f"{self.replicate}x{self.dp}x{self.tp}" if self.replicate > 1 else f"{self.dp}x{self.tp}"
-        sync = f" {self.grad_sync}" if self.accum > 1 else ""
+        if self.pp > 1:
+            mesh = f"pp{self.pp}x{mesh} {self.schedule}"
+        sync = f" {self.grad_sync}" if self.accum > 1 and self.pp == 1 else ""  # a pipeline syncs once a step
         return f"{mesh} {self.checkpointing} mb{self.micro_batch}x{self.accum}{sync}"
 
     def fields(self, global_batch: int, base: JobConfig) -> dict[str, dict[str, Any]]:
@@ -121,8 +131,11 @@ class Choice:
         sp = self.tp > 1 or base.parallel.sequence_parallel
         lp = self.tp > 1 or base.parallel.loss_parallel
         mesh = {"hsdp_replicate": self.replicate, "dp": self.dp, "tp": self.tp}
+        if self.pp > 1 or base.parallel.pp > 1:
+            stages = 1 if self.schedule in SINGLE_STAGE_SCHEDULES else 2
+            mesh.update(pp=self.pp, pp_schedule=self.schedule, pp_stages_per_rank=stages)
         if base.parallel.nproc is not None:  # a config that names its process count keeps it equal to the mesh
-            mesh["nproc"] = self.replicate * self.dp * self.tp
+            mesh["nproc"] = self.pp * self.replicate * self.dp * self.tp
         return {"parallel": {**mesh, "sequence_parallel": sp, "loss_parallel": lp},
                 "training": {"global_batch": global_batch, "micro_batch": self.micro_batch,
                              "activation_checkpointing": self.checkpointing, "grad_sync": self.grad_sync}}
@@ -166,7 +179,7 @@ def search_config(cfg: JobConfig, world: int | None, overrides: list[str]) -> tu
     base.training.global_batch = search_batch(cfg, world, overrides)
     base.parallel.nproc = None
     one = copy.deepcopy(base)
-    one.parallel.dp = one.parallel.tp = one.parallel.hsdp_replicate = 1
+    one.parallel.dp = one.parallel.tp = one.parallel.hsdp_replicate = one.parallel.pp = 1
     validate(one)
     return base, world, base.training.global_batch
 
@@ -185,16 +198,9 @@ def search_batch(cfg: JobConfig, world: int, overrides: list[str]) -> int:
 def candidates(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int
                ) -> tuple[list[Choice], list[tuple[str, str]]]:
     """Every legal configuration, and (label, reason) for each family that is not."""
-    m = cfg.model
-    kv = m.n_kv_heads or m.n_heads
     out, rejected = [], []
     for tp in divisors(min(gpus_per_node, world)):
-        why = [f"does not divide model.{name}={n}" for name, n in (("n_heads", m.n_heads), ("n_kv_heads", kv))
-               if n % tp]
-        if world % tp:
-            why.append(f"does not divide the world size {world}")
-        if m.name == "llama" and tp > 1 and cfg.data.seq_len % tp:
-            why.append(f"does not divide data.seq_len={cfg.data.seq_len} (sequence parallel)")
+        why = _tp_problems(cfg, tp, world)
         if why:
             rejected.append((f"tp={tp}", "; ".join(why)))
             continue
@@ -216,25 +222,50 @@ def candidates(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int
     return out, rejected
 
 
-def memory_bound(cfg: JobConfig, params: int) -> dict[str, float]:
-    """The closed-form lower bound of a rank's peak (module doc), with its terms."""
+def activation_bytes(cfg: JobConfig, layers: int) -> float:
+    """The activations ``layers`` blocks keep for backward from one micro-batch (module
+    doc's term; ``fsdp2d.plan.pipeline`` counts a stage's with it)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
-    args = m.to_args()
-    shards = p.dp * p.tp
-    states = 16 * params / shards
     a = 2 if t.mixed_precision == "bf16" else 4
-    d, f = m.dim, args.ffn_hidden_dim
+    d, f = m.dim, m.to_args().ffn_hidden_dim
     head = m.dim // m.n_heads
     q, kv = m.n_heads * head, (m.n_kv_heads or m.n_heads) * head
     s = p.tp if p.sequence_parallel else 1
     k = {"full": 0, "none": (q + 2 * kv + 3 * f) / p.tp,
          "selective": (2 * q + 2 * kv + 2 * f) / p.tp + 2 * d}[t.activation_checkpointing]
     tokens = cfg.micro_batch * cfg.data.seq_len
-    acts = m.n_layers * tokens * a * (d / s + k)
+    return layers * tokens * a * (d / s + k)
+
+
+def logit_bytes(cfg: JobConfig) -> float:
+    """One micro-batch's logits (and log-softmax) at the loss (module doc's term)."""
+    m, p = cfg.model, cfg.parallel
+    a = 2 if cfg.training.mixed_precision == "bf16" else 4
+    tokens = cfg.micro_batch * cfg.data.seq_len
     if p.loss_parallel and p.tp > 1:
-        logits = tokens * m.vocab_size * a / p.tp
-    else:
-        logits = 2 * tokens * m.vocab_size * (2 if p.loss_parallel and a == 2 else 4)
+        return tokens * m.vocab_size * a / p.tp
+    return 2 * tokens * m.vocab_size * (2 if p.loss_parallel and a == 2 else 4)
+
+
+def _tp_problems(cfg: JobConfig, tp: int, world: int) -> list[str]:
+    """Why ``tp`` cannot split the model on ``world`` GPUs (empty: it can)."""
+    m = cfg.model
+    kv = m.n_kv_heads or m.n_heads
+    why = [f"does not divide model.{name}={n}" for name, n in (("n_heads", m.n_heads), ("n_kv_heads", kv)) if n % tp]
+    if world % tp:
+        why.append(f"does not divide the world size {world}")
+    if m.name == "llama" and tp > 1 and cfg.data.seq_len % tp:
+        why.append(f"does not divide data.seq_len={cfg.data.seq_len} (sequence parallel)")
+    return why
+
+
+def memory_bound(cfg: JobConfig, params: int) -> dict[str, float]:
+    """The closed-form lower bound of a rank's peak (module doc), with its terms."""
+    p, t = cfg.parallel, cfg.training
+    shards = p.dp * p.tp
+    states = 16 * params / shards
+    acts = activation_bytes(cfg, cfg.model.n_layers)
+    logits = logit_bytes(cfg)
     acc = 0.0
     if cfg.accum_steps > 1:
         acc = 4 * params / (p.tp if t.grad_sync == "last" else shards)
@@ -278,7 +309,7 @@ def dominates(a: Choice, b: Choice) -> bool:
     no more recomputation (none < selective < full: the same ops plus recomputed ones,
     and under sequence parallel replayed TP all-gathers), and the same accumulation mode
     unless ``a`` has no accumulation."""
-    return (a != b and (a.replicate, a.dp, a.tp) == (b.replicate, b.dp, b.tp) and a.micro_batch >= b.micro_batch
+    return (a != b and (a.pp, a.replicate, a.dp, a.tp) == (b.pp, b.replicate, b.dp, b.tp) and a.micro_batch >= b.micro_batch
             and MODES.index(a.checkpointing) <= MODES.index(b.checkpointing)
             and (a.accum == 1 or a.grad_sync == b.grad_sync))
 
@@ -431,6 +462,10 @@ def search(cfg: JobConfig, world: int, gpu_name: str, gpus_per_node: int, global
         report["top"] = {"label": choice.label(), "overlay": choice.fields(global_batch, cfg),
                          "direct_dry_run_s": seconds, "differences": _differences(extrapolated, direct)}
         break
+    from ._search_pp import pipeline_search  # (it imports this module)
+
+    say("pipeline meshes (pp > 1): the analytic model, no dry runs")
+    report["pipeline"] = pipeline_search(cfg, world, gpu, gpus_per_node, global_batch, flops_per_token)
     report["wall_s"] = time.perf_counter() - t0
     return report
 
@@ -483,6 +518,10 @@ def format_search(report: dict, config: str, limit: int = 20) -> str:
             f"extrapolation: DIFFERS in {', '.join(diff)} (the row shows the direct figures)"
         lines.append(f"  top choice {top['label']}: figures of a direct dry run at full depth "
                      f"({top['direct_dry_run_s']:.0f} s), {verdict}")
+    if "pipeline" in report:
+        from ._search_pp import format_pipeline_search
+
+        lines += format_pipeline_search(report["pipeline"])
     dominated: dict[str, int] = {}
     shown = []
     for r in report["rejected"]:

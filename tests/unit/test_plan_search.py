@@ -135,3 +135,20 @@ def test_search_refuses_models_its_bound_does_not_cover():
     cfg = load_config(CONFIG, OVERRIDES + ["--model.name=gpt2", "--model.n_kv_heads=none"])
     with pytest.raises(ConfigError, match="model.name='gpt2'"):
         S.search(cfg, WORLD, "h100", WORLD, BATCH)
+
+
+def test_search_lists_pipeline_meshes_apart(searched):
+    """Issue 31: the search also ranks the pp x dp x tp meshes (here pp 2 x dp 1 x tp 1: 1F1B
+    and Interleaved1F1B, each checkpointing mode, micro-batch 1 for the 2 micro-batches pp 2
+    needs), from the analytic model, in a list of their own: the dry-run ranking is the one
+    the test above checks."""
+    from fsdp2d.plan._search_pp import format_pipeline_search
+
+    base, configs, direct, rows, report, gpu = searched
+    found = report["pipeline"]
+    assert found["candidates"] == 6
+    labels = {r["label"] for r in found["ranked"]} | {r["label"] for r in found["rejected"]}
+    assert labels == {f"pp2x1x1 {s} {ac} mb1x2" for s in ("1F1B", "Interleaved1F1B") for ac in S.MODES}
+    assert all(r["estimate"]["analytic"] and r["choice"]["pp"] == 2 for r in found["ranked"])
+    assert [S.rank_key(r) for r in found["ranked"]] == sorted(S.rank_key(r) for r in found["ranked"])
+    assert "ANALYTIC, not dry-run" in format_pipeline_search(found)[0]
