@@ -12,7 +12,13 @@ each stage a copy of the whole model with the other layers deleted, so parameter
 (``stage_index_to_group_rank``: the V schedules put stages r and 2*pp-1-r on rank r), so a
 schedule a newer torch adds runs here without a change. Each run: 2 AdamW steps of 4
 micro-batches (2 x pp) on a global batch of 16 sequences; ``reshard_after_forward=False``
-on every stage module, as torchtitan sets it with pipelining.
+on every stage module, as torchtitan sets it with pipelining. With fully_shard's default
+(``True``), the schedules that split backward into an input and a weight step cannot compute
+the weight gradients (torch's own FSDP2 loses them silently): fsdp2d refuses, naming the
+modules (``test_resharded_stage_with_split_backward_refuses``).
+
+No schedule is excluded: torch's own FSDP2 and TP run all of them on CPU/gloo, so each is
+compared with torch's and with one process.
 
 Tolerances (fp32 on CPU): the pipelined runs compute the same ops as one process on the
 same rows; only the order of fp32 sums differs (per micro-batch loss means summed and
