@@ -260,11 +260,12 @@ class FSDPState:
             self.in_backward = True
             self.ctx.queue_final_callback()
             if self.group is not None and self.group.unshard_in_backward:
-                resharded = _shards_registered(self.group)
+                # accumulating (pipelining's micro-batches) on a group resharded since forward
+                suspect = not self.group.requires_sync and _shards_registered(self.group)
                 self.group.unshard(async_op=True)
                 self.group.wait_unshard()  # the copy-out (a no-op when it is still gathered)
                 self.group.register_unsharded()
-                if resharded and not _weights_in_backward(self.group):
+                if suspect and not _weights_in_backward(self.group):
                     self.group.weights_skipped = True  # see _weights_in_backward
             # Then the prefetch: its gathered buffer is allocated after this group's is freed
             # (one block fewer live at the peak). On CUDA its all-gather waits for this
@@ -307,8 +308,11 @@ def _weights_in_backward(group: FSDPParamGroup) -> bool:
     gradients from them later: if the module had resharded after forward, it collected the
     shards, which are not in the graph, and those gradients are never computed (torch's
     FSDP2 loses them silently). The pre-backward then flags the group, and the torch-state
-    view's ``post_backward`` (pipelining's end of step) refuses, naming it. Called only
-    for a resharded group: one view and one engine query per backward in the usual case."""
+    view's ``post_backward`` (pipelining's end of step) refuses, naming it. Asked only for
+    a group resharded since forward while gradients accumulate without sync (pipelining
+    turns sync off for its micro-batches; a user's ``autograd.grad`` for input gradients
+    outside an accumulation window is never flagged): one view and one engine query per
+    such group and backward, nothing in ordinary training."""
     with torch.enable_grad():  # backward hooks run without grad mode: the view needs it
         for p in group.params:
             u = p.unsharded

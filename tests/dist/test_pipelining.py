@@ -157,23 +157,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
-def _run(cls: type, impl: str, mesh, reshard: bool = False) -> dict:
-    """Two AdamW steps of ``cls`` with ``impl``'s TP + FSDP: this rank's losses, its stages'
-    full gradients per step (by FQN), and its reduce-scatters."""
+def _build(cls: type, impl: str, mesh, reshard: bool) -> tuple:
+    """This rank's stage modules (parallelized by ``impl``) and ``cls`` over them: (schedule,
+    modules, stage indices, whether it splits backward, number of stages)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
-
-    import fsdp2d
-    from fsdp2d.debug import CollectiveCounter
 
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     single = issubclass(cls, PipelineScheduleSingle)
     n_stages = pp_group.size() * (1 if single else 2)
     layout, split = _stage_layout(cls, pp_group, n_stages)
     mine = sorted(i for i, r in layout.items() if r == pp_group.rank())
-    full = build()
-    dp_rows = BATCH // dp_group.size()
-    mb = dp_rows // MICROBATCHES
+    full, mb = build(), BATCH // dp_group.size() // MICROBATCHES
     stages, modules = [], []
     for i in mine:
         m = _parallelize(stage_module(full, i, n_stages), impl, mesh, reshard)
@@ -183,14 +178,26 @@ def _run(cls: type, impl: str, mesh, reshard: bool = False) -> dict:
         stages.append(PipelineStage(m, i, n_stages, torch.device("cpu"), input_args=x_meta, output_args=y_meta,
                                     group=pp_group))
         modules.append(m)
-    schedule = cls(stages[0] if single else stages, MICROBATCHES, loss_fn=loss_fn)
-    params = [p for m in modules for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, foreach=False)
+    return cls(stages[0] if single else stages, MICROBATCHES, loss_fn=loss_fn), modules, mine, split, n_stages
+
+
+def _run(cls: type, impl: str, mesh, reshard: bool = False) -> dict:
+    """Two AdamW steps of ``cls`` with ``impl``'s TP + FSDP: this rank's losses, its stages'
+    full gradients per step (by FQN; a parameter left without one is missing), and its
+    reduce-scatters (dispatched on the dp group; and, for fsdp2d, its groups' own counts)."""
+    import fsdp2d
+    from fsdp2d.debug import CollectiveCounter
+
+    schedule, modules, mine, split, n_stages = _build(cls, impl, mesh, reshard)
+    dp_group = mesh.get_group("dp")
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=LR, eps=EPS, foreach=False)
     ids, targets = batch()
+    dp_rows = BATCH // dp_group.size()
     rows = slice(dp_group.rank() * dp_rows, (dp_group.rank() + 1) * dp_rows)
-    groups = {id(m._fsdp2d_fsdp.group): m._fsdp2d_fsdp.group for m in modules for m in m.modules()
-              if isinstance(m, fsdp2d.FSDPModule) and m._fsdp2d_fsdp.group is not None}
-    before = sum(g.counts["reduce_scatter"] for g in groups.values())
+    states = {id(sub._fsdp2d_fsdp): sub._fsdp2d_fsdp for m in modules for sub in m.modules()
+              if isinstance(sub, fsdp2d.FSDPModule)}  # none on torch's side
+    groups = [s.group for s in states.values() if s.group is not None]
+    before = sum(g.counts["reduce_scatter"] for g in groups)
     out = {"stages": mine, "split": split, "losses": [], "grads": [], "groups": len(groups) if impl == "fsdp2d" else None}
     with CollectiveCounter() as counter:
         for step in range(STEPS):
@@ -199,11 +206,12 @@ def _run(cls: type, impl: str, mesh, reshard: bool = False) -> dict:
             target = targets[step, rows] if n_stages - 1 in mine else None
             schedule.step(*args, target=target, losses=losses)
             out["losses"].append(torch.stack(losses).mean().item() if losses else None)
-            out["grads"].append({name: _full(p.grad) for m in modules for name, p in m.named_parameters()})
+            out["grads"].append({name: _full(p.grad) for m in modules for name, p in m.named_parameters()
+                                 if p.grad is not None})
             opt.step()
             opt.zero_grad()
     out["reduce_scatters"] = counter.count(dp_group, "reduce_scatter")
-    out["group_reduce_scatters"] = sum(g.counts["reduce_scatter"] for g in groups.values()) - before
+    out["group_reduce_scatters"] = sum(g.counts["reduce_scatter"] for g in groups) - before
     return out
 
 
@@ -289,16 +297,73 @@ def test_schedules_enumerated_from_torch():
             "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"} <= set(schedule_classes())
 
 
+def job_stage_code_on_resharded_blocks() -> dict:
+    """torch's stage code driven by hand (no p2p, so every rank fails at the same point) on
+    the dp=4 residual MLP of test_fsdp_module, whose blocks reshard after forward
+    (fully_shard's default): a user's input gradient (``autograd.grad``) first, then a step
+    of whole backwards (no refusal; gradients as one process), then a step of split ones."""
+    import types
+
+    from torch.distributed.pipelining.stage import _PipelineStageBase as Stage
+
+    from .pool import capture_error
+    from .test_fsdp_module import _grad_err, _mlp, _rows
+
+    mesh, ref, model = _mlp()
+    xs, dys, x, dy = _rows(mesh)
+    rows = slice(mesh.get_local_rank() * len(xs), (mesh.get_local_rank() + 1) * len(xs))
+    inp, ref_inp = xs.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    (g,), (ref_g,) = torch.autograd.grad((model(inp) * dys).sum(), inp), torch.autograd.grad(
+        (ref(ref_inp) * dy).sum(), ref_inp)
+    stage = types.SimpleNamespace(submod=model)
+
+    def step(split: bool) -> None:  # two micro-batches, as job_pipelining in test_fsdp_module
+        model.zero_grad(set_to_none=True)
+        ins = [t.clone().requires_grad_(True) for t in xs.chunk(2)]
+        for i, o, dout in zip(ins, [model(i) for i in ins], dys.chunk(2)):
+            kwargs = {"stage_output": (o,), "output_grads": (dout,), "input_values": (i,)}
+            if split:
+                _, groups = Stage.backward_maybe_with_nosync(stage, "input", kwargs)
+                Stage.backward_maybe_with_nosync(stage, "weight", {"param_groups": groups})
+            else:
+                Stage.backward_maybe_with_nosync(stage, "full", kwargs)
+        Stage.perform_reduce_grad(stage, 1)
+
+    out = {"input_grad_err": (g - ref_g[rows]).abs().max().item(), "whole": capture_error(lambda: step(False))}
+    ref.zero_grad()
+    ref(x).backward(dy)
+    out["grad_err"] = _grad_err(model, ref, 1 / 4)  # fsdp2d averages over dp=4
+    out["split"] = capture_error(lambda: step(True))
+    return out
+
+
+def test_split_backward_refusal_is_specific(pool):
+    """The refusal names the blocks and only the split backward triggers it: input
+    gradients taken by a user and whole pipelined backwards on the same resharded blocks
+    train as one process (input gradients within 1e-6: the same ops on the same rows; parameter
+    gradients within GRAD_TOL)."""
+    for r in pool.run(job_stage_code_on_resharded_blocks, timeout=60):
+        assert r["input_grad_err"] < 1e-6 and r["whole"] is None and r["grad_err"] < GRAD_TOL, r
+        kind, msg = r["split"]
+        assert kind == "RuntimeError" and "'0', '1'" in msg and "reshard_after_forward=False" in msg, r["split"]
+
+
 def test_resharded_stage_with_split_backward_refuses(pool):
-    """``fully_shard``'s default ``reshard_after_forward=True`` on the stages (pp2xdp2):
+    """(Last in the file: each refusal kills the pool, which restarts for the next run.)
+    ``fully_shard``'s default ``reshard_after_forward=True`` on the stages (pp2xdp2):
     the schedules with whole backwards still match one process; the ones that split
     backward (input step, then weight step: torch collects the weights from
     ``submod.parameters()`` before the input step, which after a reshard are the shards,
     outside the graph) refuse at the end of the step, naming the modules, where torch's
     FSDP2 drops those gradients silently (measured: ``.grad`` None for the blocks with
-    the zero-bubble schedules, gradients 0.69 relative off with DualPipeV)."""
+    the zero-bubble schedules, gradients 0.69 relative off with DualPipeV). Which module
+    a rank's split backward meets depends on the stage layout, not on the schedule's
+    order of actions: one split schedule per layout (loop, V) runs to its refusal (each
+    refusal costs a pool restart; test_split_backward_refusal_is_specific covers the
+    mechanism on its own)."""
     names = sorted(schedule_classes())
-    split = {name for name, s in pool.run(job_splits, names, timeout=60)[0].items() if s}
+    kinds = pool.run(job_splits, names, timeout=60)[0]  # name -> (splits, stage -> pp rank)
+    split = {name for name, (s, _) in kinds.items() if s}
     assert {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"} <= split, split
     whole = [name for name in names if name not in split]
     results = pool.run(job_schedules, "pp2xdp2", ["fsdp2d"], whole, True, timeout=120)
@@ -306,12 +371,15 @@ def test_resharded_stage_with_split_backward_refuses(pool):
     for name in whole:
         loss_err, grad_err = _errors(*_merge(results, ("fsdp2d", name)), ref_losses, ref_grads)
         assert loss_err < LOSS_TOL and grad_err < GRAD_TOL, (name, loss_err, grad_err)
-    for name in sorted(split):
+    per_layout = {tuple(sorted(kinds[name][1].items())): name for name in sorted(split, reverse=True)}
+    assert len(per_layout) == 2, per_layout  # the loop and the V layout
+    for name in sorted(per_layout.values()):
         with pytest.raises(AssertionError, match="split backward .* on 'layers.*reshard_after_forward=False"):
             pool.run(job_schedules, "pp2xdp2", ["fsdp2d"], [name], True, timeout=60)
 
 
-def job_splits(names: list[str]) -> dict[str, bool]:
-    """Whether each schedule splits backward on pp=2 (read from torch's schedule)."""
+def job_splits(names: list[str]) -> dict[str, tuple[bool, dict[int, int]]]:
+    """Whether each schedule splits backward on pp=2, and its stage -> pp rank map (read
+    from torch's schedule)."""
     pp_group, classes = get_mesh(*LAYOUTS["pp2xdp2"]).get_group("pp"), schedule_classes()
-    return {name: _stage_layout(classes[name], pp_group, 2 * pp_group.size())[1] for name in names}
+    return {name: _stage_layout(classes[name], pp_group, 2 * pp_group.size())[::-1] for name in names}
