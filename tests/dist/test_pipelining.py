@@ -298,16 +298,13 @@ def test_schedules_enumerated_from_torch():
 
 
 def job_stage_code_on_resharded_blocks() -> dict:
-    """torch's stage code driven by hand (no p2p, so every rank fails at the same point) on
-    the dp=4 residual MLP of test_fsdp_module, whose blocks reshard after forward
-    (fully_shard's default): a user's input gradient (``autograd.grad``) first, then a step
-    of whole backwards (no refusal; gradients as one process), then a step of split ones."""
-    import types
-
-    from torch.distributed.pipelining.stage import _PipelineStageBase as Stage
-
+    """torch's stage code driven by hand (``test_fsdp_module.stage_step``: no p2p, so every
+    rank fails at the same point) on the dp=4 residual MLP of test_fsdp_module, whose blocks
+    reshard after forward (fully_shard's default): a user's input gradient
+    (``autograd.grad``) first, then a step of whole backwards (no refusal; gradients as one
+    process), then a step of split ones."""
     from .pool import capture_error
-    from .test_fsdp_module import _grad_err, _mlp, _rows
+    from .test_fsdp_module import _grad_err, _mlp, _rows, stage_step
 
     mesh, ref, model = _mlp()
     xs, dys, x, dy = _rows(mesh)
@@ -315,25 +312,12 @@ def job_stage_code_on_resharded_blocks() -> dict:
     inp, ref_inp = xs.clone().requires_grad_(True), x.clone().requires_grad_(True)
     (g,), (ref_g,) = torch.autograd.grad((model(inp) * dys).sum(), inp), torch.autograd.grad(
         (ref(ref_inp) * dy).sum(), ref_inp)
-    stage = types.SimpleNamespace(submod=model)
-
-    def step(split: bool) -> None:  # two micro-batches, as job_pipelining in test_fsdp_module
-        model.zero_grad(set_to_none=True)
-        ins = [t.clone().requires_grad_(True) for t in xs.chunk(2)]
-        for i, o, dout in zip(ins, [model(i) for i in ins], dys.chunk(2)):
-            kwargs = {"stage_output": (o,), "output_grads": (dout,), "input_values": (i,)}
-            if split:
-                _, groups = Stage.backward_maybe_with_nosync(stage, "input", kwargs)
-                Stage.backward_maybe_with_nosync(stage, "weight", {"param_groups": groups})
-            else:
-                Stage.backward_maybe_with_nosync(stage, "full", kwargs)
-        Stage.perform_reduce_grad(stage, 1)
-
-    out = {"input_grad_err": (g - ref_g[rows]).abs().max().item(), "whole": capture_error(lambda: step(False))}
+    out = {"input_grad_err": (g - ref_g[rows]).abs().max().item(),
+           "whole": capture_error(lambda: stage_step(model, xs, dys, split=False))}
     ref.zero_grad()
     ref(x).backward(dy)
     out["grad_err"] = _grad_err(model, ref, 1 / 4)  # fsdp2d averages over dp=4
-    out["split"] = capture_error(lambda: step(True))
+    out["split"] = capture_error(lambda: stage_step(model, xs, dys, split=True))
     return out
 
 
