@@ -21,7 +21,8 @@ The view exposes exactly what those callers use, mapped onto fsdp2d's hooks:
 
 :class:`GroupView` has ``post_backward()`` (reduce-scatter now what backward left in the
 unsharded gradients, or accumulate them without sync, then reshard per the policy:
-pipelining calls it once per step after its microbatches), ``unshard``/``reshard``/
+pipelining calls it once per step after its microbatches; it refuses a tree where a split
+backward met a resharded module, see ``_refuse_skipped_weights``), ``unshard``/``reshard``/
 ``wait_for_unshard``/``lazy_init`` and the flags the setters set. Anything else raises
 ``AttributeError`` naming the attribute and that fsdp2d does not expose it; nothing can be
 assigned (except the stream token ``share_comm_ctx`` writes, which changes nothing: fsdp2d
