@@ -3,8 +3,9 @@ on fsdp2d's ``fully_shard`` (and TP) per stage, against torch's FSDP2 (and TP) r
 same script and against one process (issue 31).
 
 Meshes on the 4 gloo ranks: ``pp=2 x dp=2`` (``fully_shard`` per block and per stage root
-over dp) and ``pp=2 x dp=1 x tp=2`` (column-/row-wise TP in each block, then the same
-``fully_shard`` calls over the size-1 dp axis, as a 3D job with one data-parallel rank).
+over dp), ``pp=2 x dp=1 x tp=2`` (column-/row-wise TP in each block, then the same
+``fully_shard`` calls over the size-1 dp axis, as a 3D job with one data-parallel rank), and
+the same TP without ``fully_shard`` (as torchtitan runs PP x TP when dp is 1).
 The model (embedding, 4 residual MLP blocks, norm, head; fp32) is split by layer into one
 stage per rank (``ScheduleGPipe``, ``Schedule1F1B``) or two (the multi-stage schedules),
 each stage a copy of the whole model with the other layers deleted, so parameter names
@@ -45,7 +46,9 @@ VOCAB, DIM, SEQ, N_LAYERS = 32, 16, 4, 4
 BATCH, MICROBATCHES = 16, 4   # global sequences per step; micro-batches = 2 x pp
 STEPS, LR, EPS = 2, 1e-2, 1e-6
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
-LAYOUTS = {"pp2xdp2": ((2, 2), ("pp", "dp")), "pp2xtp2": ((2, 1, 2), ("pp", "dp", "tp"))}
+# name -> (mesh shape, axis names, whether to fully_shard over dp)
+LAYOUTS = {"pp2xdp2": ((2, 2), ("pp", "dp"), True), "pp2xtp2": ((2, 1, 2), ("pp", "dp", "tp"), True),
+           "pp2xtp2-tp-only": ((2, 1, 2), ("pp", "dp", "tp"), False)}
 
 
 class Block(nn.Module):
@@ -117,9 +120,9 @@ def stage_module(full: Net, index: int, n_stages: int) -> Net:
     return m
 
 
-def _parallelize(m: Net, impl: str, mesh, reshard: bool) -> Net:
-    """TP (where the mesh has a tp axis) then fully_shard per block and the stage root,
-    with torch's or fsdp2d's functions (``reshard``: reshard_after_forward)."""
+def _parallelize(m: Net, impl: str, mesh, reshard: bool, fsdp: bool) -> Net:
+    """TP (where the mesh has a tp axis) then (``fsdp``) fully_shard per block and the stage
+    root, with torch's or fsdp2d's functions (``reshard``: reshard_after_forward)."""
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -128,6 +131,8 @@ def _parallelize(m: Net, impl: str, mesh, reshard: bool) -> Net:
     if "tp" in mesh.mesh_dim_names:
         for block in m.layers.values():
             parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    if not fsdp:
+        return m
     for block in m.layers.values():
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
     return fully_shard(m, mesh=mesh["dp"], reshard_after_forward=reshard)
@@ -157,7 +162,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
-def _build(cls: type, impl: str, mesh, reshard: bool) -> tuple:
+def _build(cls: type, impl: str, mesh, reshard: bool, fsdp: bool) -> tuple:
     """This rank's stage modules (parallelized by ``impl``) and ``cls`` over them: (schedule,
     modules, stage indices, whether it splits backward, number of stages)."""
     from torch.distributed.pipelining import PipelineStage
@@ -171,7 +176,7 @@ def _build(cls: type, impl: str, mesh, reshard: bool) -> tuple:
     full, mb = build(), BATCH // dp_group.size() // MICROBATCHES
     stages, modules = [], []
     for i in mine:
-        m = _parallelize(stage_module(full, i, n_stages), impl, mesh, reshard)
+        m = _parallelize(stage_module(full, i, n_stages), impl, mesh, reshard, fsdp)
         # static shapes (no inference run): activations, and their gradients, between stages
         x_meta = torch.zeros(mb, SEQ, dtype=torch.long) if i == 0 else torch.zeros(mb, SEQ, DIM, requires_grad=True)
         y_meta = torch.zeros(mb, SEQ, VOCAB if i == n_stages - 1 else DIM, requires_grad=True)
@@ -181,14 +186,14 @@ def _build(cls: type, impl: str, mesh, reshard: bool) -> tuple:
     return cls(stages[0] if single else stages, MICROBATCHES, loss_fn=loss_fn), modules, mine, split, n_stages
 
 
-def _run(cls: type, impl: str, mesh, reshard: bool = False) -> dict:
+def _run(cls: type, impl: str, mesh, reshard: bool = False, fsdp: bool = True) -> dict:
     """Two AdamW steps of ``cls`` with ``impl``'s TP + FSDP: this rank's losses, its stages'
     full gradients per step (by FQN; a parameter left without one is missing), and its
     reduce-scatters (dispatched on the dp group; and, for fsdp2d, its groups' own counts)."""
     import fsdp2d
     from fsdp2d.debug import CollectiveCounter
 
-    schedule, modules, mine, split, n_stages = _build(cls, impl, mesh, reshard)
+    schedule, modules, mine, split, n_stages = _build(cls, impl, mesh, reshard, fsdp)
     dp_group = mesh.get_group("dp")
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=LR, eps=EPS, foreach=False)
     ids, targets = batch()
@@ -216,9 +221,9 @@ def _run(cls: type, impl: str, mesh, reshard: bool = False) -> dict:
 
 
 def job_schedules(layout: str, impls: list[str], names: list[str], reshard: bool = False) -> dict:
-    mesh = get_mesh(*LAYOUTS[layout])
-    classes = schedule_classes()
-    return {(impl, name): _run(classes[name], impl, mesh, reshard) for name in names for impl in impls}
+    shape, names_, fsdp = LAYOUTS[layout]
+    mesh, classes = get_mesh(shape, names_), schedule_classes()
+    return {(impl, name): _run(classes[name], impl, mesh, reshard, fsdp) for name in names for impl in impls}
 
 
 def reference() -> tuple[list[float], list[dict[str, torch.Tensor]]]:
@@ -284,10 +289,11 @@ def test_every_schedule_matches_torch_and_one_process(pool, layout):
         assert loss_err < LOSS_TOL and grad_err < GRAD_TOL, (name, loss_err, grad_err)
         assert torch_loss_err < LOSS_TOL and torch_grad_err < GRAD_TOL, (name, torch_loss_err, torch_grad_err)
         assert vs_loss < LOSS_TOL and vs_grad < GRAD_TOL, (name, vs_loss, vs_grad)
+        fsdp, dp = LAYOUTS[layout][2], LAYOUTS[layout][0][1]
         for counted, groups, dispatched, torch_dispatched in per_rank:
-            assert groups >= 1 and counted == STEPS * groups, (name, per_rank)  # not once per micro-batch
-            # dp=1 (pp2xtp2): no collective at all on either side; dp=2: one per group per step, as torch
-            assert dispatched == torch_dispatched == (counted if layout == "pp2xdp2" else 0), (name, per_rank)
+            assert (groups >= 1) == fsdp and counted == STEPS * groups, (name, per_rank)  # not once per micro-batch
+            # dp=1: no collective at all on either side; dp=2: one per group per step, as torch
+            assert dispatched == torch_dispatched == (counted if dp > 1 else 0), (name, per_rank)
 
 
 def test_schedules_enumerated_from_torch():
@@ -365,5 +371,5 @@ def test_resharded_stage_with_split_backward_refuses(pool):
 def job_splits(names: list[str]) -> dict[str, tuple[bool, dict[int, int]]]:
     """Whether each schedule splits backward on pp=2, and its stage -> pp rank map (read
     from torch's schedule)."""
-    pp_group, classes = get_mesh(*LAYOUTS["pp2xdp2"]).get_group("pp"), schedule_classes()
+    pp_group, classes = get_mesh(*LAYOUTS["pp2xdp2"][:2]).get_group("pp"), schedule_classes()
     return {name: _stage_layout(classes[name], pp_group, 2 * pp_group.size())[::-1] for name in names}
