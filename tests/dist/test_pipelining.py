@@ -203,7 +203,8 @@ def _run(cls: type, impl: str, mesh, reshard: bool = False, fsdp: bool = True) -
               if isinstance(sub, fsdp2d.FSDPModule)}  # none on torch's side
     groups = [s.group for s in states.values() if s.group is not None]
     before = sum(g.counts["reduce_scatter"] for g in groups)
-    out = {"stages": mine, "split": split, "losses": [], "grads": [], "groups": len(groups) if impl == "fsdp2d" else None}
+    out = {"stages": mine, "split": split, "losses": [], "grads": [],
+           "groups": len(groups) if impl == "fsdp2d" else None}
     with CollectiveCounter() as counter:
         for step in range(STEPS):
             losses: list = []
