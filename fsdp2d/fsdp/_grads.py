@@ -59,6 +59,7 @@ class GradReduction:
             buf = self._pack_grads(grads)
         all_had = self._every_trainable_had(grads)
         self.counts["reduce_scatter"] += 1
+        self.weights_skipped = False  # an earlier input-only backward (autograd.grad) outside pipelining
         # (work, out, all_had, whether out holds the sum over the replicate axis once work is done)
         d = self._division()
         if self.k == 1:

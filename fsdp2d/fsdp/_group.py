@@ -124,6 +124,7 @@ class FSDPParamGroup(Unshard, GradReduction):
         self.optimizer_steps = [0]  # steps of optimizers holding our parameters (see _unshard._count_step)
         self._copied_versions: list[int] = []  # each unsharded parameter's version at the last copy-out
         self.needs_reduce = False
+        self.weights_skipped = False  # a backward skipped the weights of the resharded group (see _state)
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
         self._flags: tuple | None = None  # (key, has-gradient flags) when every trainable one is present
         # FSDP1 front end (fsdp2d.fsdp1): grad_dtype keeps gradients in another dtype than the

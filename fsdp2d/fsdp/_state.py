@@ -99,7 +99,7 @@ class _Context:
                 for p in g.params:
                     if p.unsharded is not None:
                         p.unsharded.grad = None
-                g.needs_reduce, g.grads_ready, g.inputs_done = False, 0, 0
+                g.needs_reduce, g.grads_ready, g.inputs_done, g.weights_skipped = False, 0, 0, False
                 g.reshard()
             s.in_backward = False
         self.in_flight = []
@@ -261,9 +261,13 @@ class FSDPState:
             self.in_backward = True
             self.ctx.queue_final_callback()
             if self.group is not None and self.group.unshard_in_backward:
+                # accumulating (pipelining's micro-batches) on a group resharded since forward
+                suspect = not self.group.requires_sync and _shards_registered(self.group)
                 self.group.unshard(async_op=True)
                 self.group.wait_unshard()  # the copy-out (a no-op when it is still gathered)
                 self.group.register_unsharded()
+                if suspect and not _weights_in_backward(self.group):
+                    self.group.weights_skipped = True  # see _weights_in_backward
             # Then the prefetch: its gathered buffer is allocated after this group's is freed
             # (one block fewer live at the peak). On CUDA its all-gather waits for this
             # copy-out, whose own gather was prefetched a whole backward earlier.
@@ -288,6 +292,40 @@ def _issue_then_copy_out(group: FSDPParamGroup | None, prefetch: Any) -> None:
     if group is not None:
         group.wait_unshard()  # the copy-out
         group.register_unsharded()
+
+
+def _shards_registered(group: FSDPParamGroup) -> bool:
+    """Whether the modules hold the group's sharded parameters now (resharded since forward)."""
+    p = next((p for p in group.params if p.sharded.requires_grad), None)
+    return p is not None and p.module._parameters.get(p.name) is p.sharded
+
+
+def _weights_in_backward(group: FSDPParamGroup) -> bool:
+    """Whether the running backward reaches any of the group's trainable unsharded
+    parameters (autograd's engine knows which nodes it will run). Not when it computes
+    only input gradients: ``autograd.grad(out, inputs)``, as torch's pipelining does in the
+    input step of its split (zero-bubble, DualPipeV) backward. Pipelining collects the
+    stage's weights from ``submod.parameters()`` before that step and computes their
+    gradients from them later: if the module had resharded after forward, it collected the
+    shards, which are not in the graph, and those gradients are never computed (torch's
+    FSDP2 loses them silently). The pre-backward then flags the group, and the torch-state
+    view's ``post_backward`` (pipelining's end of step) refuses, naming it. Asked only for
+    a group resharded since forward while gradients accumulate without sync (pipelining
+    turns sync off for its micro-batches; a user's ``autograd.grad`` for input gradients
+    outside an accumulation window is never flagged): one view and one engine query per
+    such group and backward, nothing in ordinary training."""
+    with torch.enable_grad():  # backward hooks run without grad mode: the view needs it
+        for p in group.params:
+            u = p.unsharded
+            if u is None or not u.requires_grad:
+                continue
+            node = u.view_as(u).grad_fn.next_functions[0][0]  # its AccumulateGrad node
+            try:
+                if torch._C._will_engine_execute_node(node):
+                    return True
+            except RuntimeError:  # autograd.grad computing exactly these weights (captured)
+                return True
+    return False
 
 
 def _in_backward() -> bool:

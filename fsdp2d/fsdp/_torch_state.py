@@ -21,7 +21,8 @@ The view exposes exactly what those callers use, mapped onto fsdp2d's hooks:
 
 :class:`GroupView` has ``post_backward()`` (reduce-scatter now what backward left in the
 unsharded gradients, or accumulate them without sync, then reshard per the policy:
-pipelining calls it once per step after its microbatches), ``unshard``/``reshard``/
+pipelining calls it once per step after its microbatches; it refuses a tree where a split
+backward met a resharded module, see ``_refuse_skipped_weights``), ``unshard``/``reshard``/
 ``wait_for_unshard``/``lazy_init`` and the flags the setters set. Anything else raises
 ``AttributeError`` naming the attribute and that fsdp2d does not expose it; nothing can be
 assigned (except the stream token ``share_comm_ctx`` writes, which changes nothing: fsdp2d
@@ -263,6 +264,7 @@ class GroupView(_View):
         Gradients that autograd's hooks did not report count too: pipelining's
         zero-bubble weight step assigns ``.grad`` directly."""
         group = self._group
+        _refuse_skipped_weights(group)
         pending = any(p.unsharded is not None and p.unsharded.grad is not None or p.acc_grad is not None
                       for p in group.params)
         group.needs_reduce = group.needs_reduce or pending
@@ -270,6 +272,23 @@ class GroupView(_View):
             group.ctx.post_backward(group)
         elif group.reshard_after_backward:  # never ran forward: nothing to reduce
             group.reshard()
+
+
+def _refuse_skipped_weights(group: Any) -> None:
+    """Pipelining's end of step on a tree where a split backward (the input step of the
+    zero-bubble and DualPipeV schedules) ran on a module resharded after forward: its
+    weight gradients were never computed (see ``_state._weights_in_backward``). Refused
+    before any group of the tree reduces, so every rank stops at the same point."""
+    states = group.ctx.states if group.ctx is not None else []
+    skipped = [s.group for s in states if s.group is not None and s.group.weights_skipped]
+    if skipped:
+        for g in skipped:
+            g.weights_skipped = False
+        names = ", ".join(repr(g.label or "<root>") for g in skipped)
+        raise RuntimeError(f"fsdp2d: torch's pipelining ran a split backward (input step, then weight step) on "
+                           f"{names} after fully_shard resharded its parameters at the end of forward, so their "
+                           f"gradients were never computed (torch's FSDP2 drops them silently); call fully_shard "
+                           f"on each stage's modules with reshard_after_forward=False")
 
 
 class ParamView(_View):

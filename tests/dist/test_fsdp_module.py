@@ -247,14 +247,32 @@ def test_register_fsdp_forward_method(pool):
         assert r["resharded"] == (r["full"][0] // 4, r["full"][1]), r  # the shard is registered again
 
 
+def stage_step(model, xs, dys, split: bool) -> None:
+    """One step of two microbatches through torch's pipelining stage code on a stand-in
+    stage holding ``model``: forwards, then per microbatch ``backward_maybe_with_nosync``
+    ("full", or "input" then "weight" as the zero-bubble schedules run it), then
+    ``perform_reduce_grad``. No p2p, so every rank fails at the same point."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase as Stage
+
+    stage = types.SimpleNamespace(submod=model)
+    model.zero_grad(set_to_none=True)
+    ins = [t.clone().requires_grad_(True) for t in xs.chunk(2)]
+    outs = [model(i) for i in ins]
+    for i, o, g in zip(ins, outs, dys.chunk(2)):
+        kwargs = {"stage_output": (o,), "output_grads": (g,), "input_values": (i,)}
+        if split:
+            _, groups = Stage.backward_maybe_with_nosync(stage, "input", kwargs)
+            Stage.backward_maybe_with_nosync(stage, "weight", {"param_groups": groups})
+        else:
+            Stage.backward_maybe_with_nosync(stage, "full", kwargs)
+    Stage.perform_reduce_grad(stage, 1)
+
+
 def job_pipelining(split: bool) -> dict:
     """Two microbatches through torch's pipelining stage code (a stand-in stage holding
     the model): forwards, then per microbatch ``backward_maybe_with_nosync`` ("full", or
     "input" then "weight" as the zero-bubble schedules run it), then ``perform_reduce_grad``.
     Gradients against one process; reduce-scatters counted."""
-    import torch
-    from torch.distributed.pipelining.stage import _PipelineStageBase as Stage
-
     from fsdp2d.debug import CollectiveCounter
 
     mesh4, ref, model = _mlp()
@@ -263,21 +281,10 @@ def job_pipelining(split: bool) -> dict:
         # its backward runs: those must be the unsharded parameters the forward used, so the
         # blocks stay gathered after forward (as torchtitan sets reshard_after_forward with PP).
         model.set_reshard_after_forward(False)
-    stage = types.SimpleNamespace(submod=model)
     xs, dys, x, dy = _rows(mesh4)
     with CollectiveCounter() as counter:
         for _ in range(2):  # two steps: the second starts from the first's state
-            model.zero_grad(set_to_none=True)
-            ins = [t.clone().requires_grad_(True) for t in xs.chunk(2)]
-            outs = [model(i) for i in ins]
-            for i, o, g in zip(ins, outs, dys.chunk(2)):
-                kwargs = {"stage_output": (o,), "output_grads": (g,), "input_values": (i,)}
-                if split:
-                    _, groups = Stage.backward_maybe_with_nosync(stage, "input", kwargs)
-                    Stage.backward_maybe_with_nosync(stage, "weight", {"param_groups": groups})
-                else:
-                    Stage.backward_maybe_with_nosync(stage, "full", kwargs)
-            Stage.perform_reduce_grad(stage, 1)
+            stage_step(model, xs, dys, split)
     ref.zero_grad()
     ref(x).backward(dy)
     groups = 3
