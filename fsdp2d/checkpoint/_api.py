@@ -80,9 +80,10 @@ class CheckpointManager:
         """Delete the checkpoint of ``step`` (not collective: call on one rank)."""
         _commit.remove(self.path(step))
 
-    def save(self, step: int, model: torch.nn.Module, optimizer=None, *, extra: dict | None = None) -> Path:
+    def save(self, step: int, model: torch.nn.Module, optimizer=None, *, extra: dict | None = None,
+             stage_axis: str | None = None) -> Path:
         path = self.path(step)
-        save(path, model, optimizer, extra=extra)
+        save(path, model, optimizer, extra=extra, stage_axis=stage_axis)
         if self.keep_last and (not dist.is_initialized() or dist.get_rank() == 0):
             for old in self.steps()[:-self.keep_last]:
                 self.remove(old)
