@@ -154,6 +154,12 @@ def _check_pipeline_scope(cfg: "JobConfig", errors: list[str]) -> None:
         (t.eval_every > 0 and t.eval_steps % cfg.accum_steps != 0,
          f"training.eval_steps={t.eval_steps}: the pipeline evaluates {cfg.accum_steps} micro-batches "
          f"(accum_steps) per run", f"use a multiple of {cfg.accum_steps}"),
+        (t.eval_every > 0 and p.pp_schedule in V_SCHEDULES, f"parallel.pp_schedule={p.pp_schedule!r} and "
+         f"training.eval_every={t.eval_every}: torch's schedule.eval fails on the V-shaped schedules "
+         f"(torch 2.13: 'can't steal_bwd_input')", "set training.eval_every=0, use Interleaved1F1B,"),
+        (p.pp_schedule == "DualPipeV" and cfg.accum_steps < 2 * p.pp, f"parallel.pp_schedule='DualPipeV' with "
+         f"{cfg.accum_steps} micro-batches per step (accum_steps): it needs at least one per stage, "
+         f"{2 * p.pp}", "lower training.micro_batch"),
     ]
     errors.extend(f"{pp} with {what}: {fix} or parallel.pp=1" for bad, what, fix in refused if bad)
 
