@@ -37,6 +37,7 @@ from fsdp2d.models.stages import stage_layers, stages_of_rank
 
 from ._rules import V_SCHEDULES
 from .config import JobConfig
+from .parallelize import apply_parallelism, to_device
 
 __all__ = ["stage_model", "parallelize_stage", "Pipeline"]
 
@@ -60,8 +61,6 @@ def parallelize_stage(cfg: JobConfig, mesh: fsdp2d.DeviceMesh, stage: int) -> Ll
     """Stage ``stage`` on the meta device with the TP plan, activation checkpointing and
     ``fully_shard`` over ``mesh``'s axes other than ``pp``, as ``parallelize_model``
     applies them at ``pp=1`` (``fsdp2d plan`` can build one stage with this)."""
-    from .trainer import apply_parallelism  # (trainer imports this module)
-
     return apply_parallelism(cfg, mesh, stage_model(cfg, stage))
 
 
@@ -109,8 +108,6 @@ class Pipeline:
     def _batch(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``accum_steps`` micro-batches as one per-rank batch (B, T) each: the
         schedule splits it back into the same micro-batches along dim 0."""
-        from .trainer import to_device
-
         xs, ys = zip(*(next(batches) for _ in range(self.cfg.accum_steps)))
         return to_device(torch.cat(xs), self.device), to_device(torch.cat(ys), self.device)
 
