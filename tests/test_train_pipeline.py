@@ -54,6 +54,8 @@ def test_1f1b_matches_pp1_and_its_checkpoint_resumes_at_pp1(reference):
     first = _train(runs, "split", *PIPE, *PP, "--parallel.pp_schedule=1F1B", "--training.stop_at=2")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "mesh pp=2 x dp=2 x tp=1" in first.stdout
+    assert "pipeline: 2 stages (layers 0-1 | 2-3), 1F1B, 2 micro-batches per step; this rank holds stage 0" \
+        in first.stdout
     _close(_records(runs / "split"), want, [1, 2])
     second = _train(runs, "split", *PIPE, *REF, "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
@@ -68,6 +70,8 @@ def test_interleaved_1f1b_two_stages_per_rank_matches_pp1(reference):
     runs, want = reference
     proc = _train(runs, "looped", *PIPE, *PP, "--parallel.pp_schedule=Interleaved1F1B")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4 stages (layers 0-0 | 1-1 | 2-2 | 3-3), Interleaved1F1B" in proc.stdout
+    assert "this rank holds stage 0, 2" in proc.stdout  # looped: rank 0 holds stages 0 and 0 + pp
     got = _records(runs / "looped")
     assert sorted(got) == [1, 2, 3, 4] and "eval_loss" in got[2] and "eval_loss" in got[4]
     _close(got, want, [1, 2, 3, 4])

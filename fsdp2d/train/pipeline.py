@@ -100,6 +100,15 @@ class Pipeline:
         self.schedule = cls(runs[0] if issubclass(cls, PipelineScheduleSingle) else runs, n_microbatches=accum,
                             loss_fn=self._loss, scale_grads=False)
         self.device = device
+        self.ids = ids
+
+    def describe(self) -> str:
+        """One start-up line: the stages' layers, the schedule, the micro-batches, this rank's stages."""
+        n_stages = self.cfg.parallel.pp * self.cfg.pp_stages_per_rank
+        split = " | ".join(f"{r.start}-{r.stop - 1}" for r in stage_layers(self.cfg.model.n_layers, n_stages))
+        return (f"pipeline: {n_stages} stages (layers {split}), {self.cfg.parallel.pp_schedule}, "
+                f"{self.cfg.accum_steps} micro-batches per step; this rank holds stage "
+                f"{', '.join(map(str, self.ids))}, built, sharded and initialised")
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss, scaled as ``pp=1`` scales it: its mean over ``accum_steps``."""

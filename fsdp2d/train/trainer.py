@@ -110,6 +110,8 @@ class Trainer:
         self.say("data ready")
         self.pipe = Pipeline(cfg, self.mesh) if cfg.parallel.pp > 1 else None
         """This rank's pipeline stages and schedule (``parallel.pp > 1``), else None."""
+        if self.pipe is not None:
+            self.say(self.pipe.describe())
         self.model = build_model(cfg, self.mesh, self.say) if self.pipe is None else self.pipe.model
         self.loss_holders = dist.get_world_size() // cfg.parallel.pp
         """Ranks whose step loss counts: those of the last pipeline stage (all at pp=1)."""
