@@ -25,21 +25,22 @@ from torch.distributed.tensor import DTensor
 from ._dtensor import layout_of, local_of
 from .placement import Layout
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "clip_grad_norm_across_stages_"]
 
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _share(g: torch.Tensor, world: int) -> float:
-    """This rank's weight for gradient ``g`` in the world-wide sum (0 if not owner)."""
+def _share(g: torch.Tensor, holders: int) -> float:
+    """This rank's weight for gradient ``g`` in the world-wide sum (0 if not owner), when
+    ``holders`` ranks hold one copy of every parameter (copies: ``holders / mesh size``)."""
     layout: Layout | None = layout_of(g) if isinstance(g, DTensor) else None
     if layout is None:
-        return 1.0 / world
+        return 1.0 / holders
     if not layout.is_replica_owner():
         return 0.0
-    return math.prod(layout.mesh_shape) / world
+    return math.prod(layout.mesh_shape) / holders
 
 
 @torch.no_grad()
@@ -57,6 +58,28 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     all-reduce, and one ``_foreach_mul_`` per device and dtype, as torch's foreach path.
     Collective: every rank must call it with the matching parameters.
     """
+    return _clip(parameters, max_norm, norm_type, error_if_nonfinite, holders=_world())
+
+
+@torch.no_grad()
+def clip_grad_norm_across_stages_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, *, pp: int,
+                                  norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """:func:`clip_grad_norm_` for a model split into pipeline stages over a mesh axis of
+    size ``pp``: each rank passes the parameters of its own stages (sharded over the other
+    axes), and the norm is over every stage's, the whole model's (torchtitan all-reduces
+    the squared norm over ``pp``; here it is the same one all-reduce over the world).
+    :func:`clip_grad_norm_` would count each stage's parameters as copies held by all
+    ``pp`` slices of the world, and return the norm over ``sqrt(pp)``. ``pp=1``: the same
+    as :func:`clip_grad_norm_`."""
+    world = _world()
+    if pp < 1 or world % pp:
+        raise ValueError(f"clip_grad_norm_across_stages_: pp={pp} must divide the world size {world}")
+    return _clip(parameters, max_norm, norm_type, error_if_nonfinite, holders=world // pp)
+
+
+def _clip(parameters, max_norm: float, norm_type: float, error_if_nonfinite: bool, holders: int) -> torch.Tensor:
+    """The clipping both entry points share; ``holders``: the ranks holding one copy of
+    every parameter (the world, or one pipeline slice of it)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [(g, local_of(g)) for g in (p.grad for p in params) if g is not None]
     norm_type = float(norm_type)
@@ -68,7 +91,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     if norm_type == math.inf:
         total = _global_max(_buckets((None, g) for _, g in grads), device, world)
     else:
-        total = _global_sum(_buckets((_share(dg, world), g) for dg, g in grads), norm_type, device, world)
+        total = _global_sum(_buckets((_share(dg, holders), g) for dg, g in grads), norm_type, device, world)
     total = total.to(out_dtype)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {total.item()}")

@@ -80,9 +80,10 @@ class CheckpointManager:
         """Delete the checkpoint of ``step`` (not collective: call on one rank)."""
         _commit.remove(self.path(step))
 
-    def save(self, step: int, model: torch.nn.Module, optimizer=None, *, extra: dict | None = None) -> Path:
+    def save(self, step: int, model: torch.nn.Module, optimizer=None, *, extra: dict | None = None,
+             stage_axis: str | None = None) -> Path:
         path = self.path(step)
-        save(path, model, optimizer, extra=extra)
+        save(path, model, optimizer, extra=extra, stage_axis=stage_axis)
         if self.keep_last and (not dist.is_initialized() or dist.get_rank() == 0):
             for old in self.steps()[:-self.keep_last]:
                 self.remove(old)
@@ -166,7 +167,8 @@ def _brief(extra: Any) -> Any:
 
 def inspect(ckpt: str | os.PathLike) -> str:
     """A human-readable summary: mesh, world size, data files, extra, and every tensor
-    with its layout (``tp=S(0) dp=S(0)``: sharded along dim 0 over tp, then over dp)."""
+    with its layout (``tp=S(0) dp=S(0)``: sharded along dim 0 over tp, then over dp; ``, stage
+    pp=1``: held by the pipeline stage at pp coordinate 1)."""
     with Folder(ckpt) as folder:
         index, files = folder.index, folder.data_files()
     mesh = index["mesh"]
@@ -179,5 +181,6 @@ def inspect(ckpt: str | os.PathLike) -> str:
     for name, meta in sorted(index["tensors"].items()):
         lay = meta["layout"]
         where = " ".join(f"{a}={p}" for a, p in zip(lay["axes"], lay["placements"])) or "(one box)"
+        where += "".join(f", stage {a}={k}" for a, k in (meta.get("stage") or {}).items())  # a pipeline's
         lines.append(f"{name:<60} {meta['dtype']:<9} {str(tuple(meta['shape'])):<18} {where}")
     return "\n".join(lines)

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..placement import Box
-from ._index import DTYPES, INDEX, SHA256, TORCH_DTYPES, CheckpointError, validate_index, writer_file
+from ._index import DTYPES, INDEX, SHA256, TORCH_DTYPES, CheckpointError, stage_of, validate_index, writer_file
 
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 _MAX_OPEN = 64  # data files a Folder keeps open at once
@@ -186,7 +186,8 @@ class Folder:
         """(file, key) of tensor ``name``'s box at ``coordinate`` of its layout: the
         writer's rank file and the tensor's name, unless the index names them (exports)."""
         meta = self.index["tensors"][name]
-        file = meta.get("file") or writer_file(self.mesh, self.layouts[name].axis_names, coordinate)
+        axes, at = stage_of(meta)  # a pipeline stage's tensor: in the files of its stage's ranks
+        file = meta.get("file") or writer_file(self.mesh, self.layouts[name].axis_names + axes, coordinate + at)
         return file, meta.get("key", name)
 
     def check(self, source: tuple[str, str], name: str, box: Box) -> tuple[int, int, str]:

@@ -21,6 +21,11 @@ export) under the optional ``"key"`` in the ``"file"`` its entry names. What a b
 file must hold (its offset and sha256) is in that file's own manifest (``_files``), so
 nothing in the index grows with the number of ranks.
 
+A pipeline-parallel save (``save(..., stage_axis="pp")``) splits the model over one mesh
+axis instead of copying it: a tensor's entry then carries ``"stage": {"pp": k}``, the
+coordinate on that axis of the ranks holding it, and its boxes are in the files of the
+ranks at ``k`` on it (not 0), so every stage's tensors are in the one index.
+
 ``validate_index`` accepts only a document ``save`` could have written: every field's
 type, every name, axes that are the mesh's (each once), placements on dims the tensor
 has (no ``Partial``: a summand is not a value to save), a split order over the
@@ -145,6 +150,11 @@ def _check_tensor(c: _Checker, name: Any, meta: Any, mesh: dict[str, int]) -> La
     shape = meta.get("shape")
     c.need(_ints(shape, None), f"{name!r}: shape {shape!r} is not a list of ints >= 0")
     layout = _check_layout(c, name, meta.get("layout"), shape, mesh)
+    if "stage" in meta:
+        stage = meta["stage"]
+        c.need(isinstance(stage, dict) and len(stage) == 1 and all(
+            a in mesh and a not in layout.axis_names and _is_int(k) and k < mesh[a] for a, k in stage.items()),
+            f"{name!r}: stage {stage!r} is not {{axis: coordinate}} on one mesh axis outside its layout")
     if "file" in meta or "key" in meta:  # an export's tensor: one box, in a file of its own naming
         c.need(valid_file_name(meta.get("file")), f"{name!r}: file {meta.get('file')!r} is not a plain name "
                                                   f"inside the checkpoint folder")
@@ -194,6 +204,12 @@ def dump_index(index: dict) -> bytes:
     head = json.dumps({k: v for k, v in index.items() if k != "tensors"}, indent=1)
     tensors = ",\n".join(f"  {json.dumps(name)}: {json.dumps(meta)}" for name, meta in index["tensors"].items())
     return (head[:-2] + ',\n "tensors": {\n' + tensors + "\n }\n}\n").encode()
+
+
+def stage_of(meta: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(axes, coordinates) of the pipeline stage an index entry pins its tensor to (none: ())."""
+    stage = meta.get("stage") or {}
+    return tuple(stage), tuple(stage.values())
 
 
 def rank_file(rank: int) -> str:

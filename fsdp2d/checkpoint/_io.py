@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save as st_save
 
-from ..mesh import DeviceMesh, axis_names, coordinate
+from ..mesh import DeviceMesh, axis_names, axis_size, coordinate
 from ..placement import Box
 from . import _commit, _files
 from ._agree import agree
@@ -83,8 +83,9 @@ def _model_mesh(entries: list[Entry]) -> DeviceMesh | None:
     return meshes[0] if meshes else None
 
 
-def _plan(model: torch.nn.Module, optimizer, extra: dict | None) -> _Plan:
-    """This rank's plan; raises on anything rank-local."""
+def _plan(model: torch.nn.Module, optimizer, extra: dict | None, stage_axis: str | None = None) -> _Plan:
+    """This rank's plan; raises on anything rank-local. With ``stage_axis`` its tensors are
+    this rank's pipeline stages' only, pinned to its coordinate on that axis."""
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict, not {type(extra).__name__}")
     json.dumps(extra or {})  # JSON-able?
@@ -94,22 +95,51 @@ def _plan(model: torch.nn.Module, optimizer, extra: dict | None) -> _Plan:
         mesh, coord = ((), ()), (() if not dist.is_initialized() or dist.get_rank() == 0 else None)
     else:
         mesh, coord = (axis_names(root), tuple(root.shape)), coordinate(root)
+    stage = {}
+    if stage_axis is not None:
+        if root is None or stage_axis not in mesh[0]:
+            raise ValueError(f"stage_axis={stage_axis!r} is not an axis of the model's mesh {mesh[0]}")
+        stage = {stage_axis: coord[mesh[0].index(stage_axis)]}
     tensors = {}
     for e in entries:
         if e.layout is not None:
             _check_on_mesh(e, root)
+            if stage_axis in e.layout.axis_names:
+                raise ValueError(f"{e.name}: its layout uses the pipeline axis {stage_axis!r}")
         tensors[e.name] = {"dtype": _dtype_name(e.tensor.dtype), "shape": list(e.global_shape),
-                           "layout": describe_layout(e.layout)}
+                           "layout": describe_layout(e.layout), **({"stage": stage} if stage else {})}
     file = writer_file(mesh, mesh[0], coord) if coord is not None else None
-    mine = [e for e in entries if file is not None and e.box.numel() and _writer(mesh, e) == file]
+    mine = [e for e in entries if file is not None and e.box.numel() and _writer(mesh, e, stage) == file]
     return _Plan({"axes": list(mesh[0]), "shape": list(mesh[1])}, tensors, mine, file)
 
 
-def _writer(mesh: tuple, e: Entry) -> str | None:
-    """The file of ``e``'s box if this rank is its replica owner, else None."""
+def _writer(mesh: tuple, e: Entry, stage: dict) -> str | None:
+    """The file of ``e``'s box if this rank is its replica owner (in its pipeline
+    ``stage``, ``{axis: coordinate}``, if any), else None."""
+    axes, at = tuple(stage), tuple(stage.values())
     if e.layout is None:
-        return writer_file(mesh, (), ())
-    return writer_file(mesh, e.layout.axis_names, e.layout.coordinate) if e.layout.is_replica_owner() else None
+        return writer_file(mesh, axes, at)
+    if not e.layout.is_replica_owner():
+        return None
+    return writer_file(mesh, e.layout.axis_names + axes, e.layout.coordinate + at)
+
+
+def _all_stages(plan: _Plan, model: torch.nn.Module, stage_axis: str) -> None:
+    """Every stage's tensors in ``plan.tensors`` (the index's), gathered over the pipeline
+    axis: O(parameters) in all, each stage's description once per stage. ValueError if
+    two stages hold one name."""
+    root = _model_mesh(model_entries(model))
+    mine = json.dumps(plan.tensors)
+    parts: list = [None] * axis_size(root, stage_axis)
+    dist.all_gather_object(parts, mine, group=root.get_group(stage_axis))
+    tensors: dict = {}
+    for part in parts:
+        for name, meta in json.loads(part).items():
+            if name in tensors:
+                raise ValueError(f"{name} is held by two pipeline stages ({stage_axis} coordinates "
+                                 f"{tensors[name]['stage'][stage_axis]} and {meta['stage'][stage_axis]})")
+            tensors[name] = meta
+    plan.tensors = tensors
 
 
 def _check_on_mesh(e: Entry, root: DeviceMesh) -> None:
@@ -121,7 +151,7 @@ def _check_on_mesh(e: Entry, root: DeviceMesh) -> None:
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         *, extra: dict | None = None) -> None:
+         *, extra: dict | None = None, stage_axis: str | None = None) -> None:
     """Write a checkpoint of ``model`` (and ``optimizer``) to ``path``.
 
     Collective: call on every rank. ``extra`` is any JSON-able dict (step, data position,
@@ -132,14 +162,26 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     An error on any rank (``extra`` not JSON-able, a disk error, ranks holding different
     tensors...) raises :class:`CheckpointError` on every rank. Each rank sends a few
     integers and writes its own boxes, whatever the world size.
+
+    ``stage_axis``: the mesh axis over which ``model`` is split into pipeline stages (each
+    rank passes its own stages, e.g. ``"pp"``): each rank saves its stages' tensors, and
+    the index holds every stage's under the whole model's names, so :func:`load` reads
+    it on any number of stages (pipeline axis or none). The stages' descriptions are
+    gathered over that axis (O(parameters) in all).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = Path(path)
     plan, error = None, ""
     try:
-        plan = _plan(model, optimizer, extra)
+        plan = _plan(model, optimizer, extra, stage_axis)
     except Exception as exc:
         error = f"rank {rank}: {exc!r}"
+    if stage_axis is not None:  # every rank reached the gather, or all raise here
+        _fail_together(path, agree(error).error)
+        try:
+            _all_stages(plan, model, stage_axis)
+        except ValueError as exc:
+            error = f"rank {rank}: {exc}"
     agreed = agree(error, plan.digest if plan is not None else "",
                    "the tensors to save (names, dtypes, global shapes, layouts or the mesh): build the same "
                    "model and optimizer on every rank")
@@ -246,10 +288,11 @@ def read_box(folder: Folder, name: str, target: Box) -> torch.Tensor:
     return out
 
 
-def _check_names(index: dict, entries: list[Entry], path: Path, with_optim: bool) -> None:
+def _check_names(index: dict, entries: list[Entry], path: Path, with_optim: bool, stage: bool = False) -> None:
+    """The model's tensors are the saved ones (with ``stage``, a pipeline stage's: some of them)."""
     saved = {n for n in index["tensors"] if n.startswith("model/") or (with_optim and n.startswith("optim/"))}
     wanted = {e.name for e in entries}
-    missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
+    missing, unexpected = sorted(wanted - saved), [] if stage else sorted(saved - wanted)
     if missing or unexpected:
         raise CheckpointError(f"{path} does not match the model: missing keys {missing[:10]}"
                               f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
@@ -261,7 +304,7 @@ def _saved_state_fqns(index: dict) -> set[str]:
     return {n.removeprefix("optim/").rpartition("/")[0] for n in index["tensors"] if n.startswith("optim/")}
 
 
-def _stage(folder: Folder, model, optimizer, created: list) -> tuple[list[Entry], dict, list]:
+def _stage(folder: Folder, model, optimizer, created: list, stage: bool = False) -> tuple[list[Entry], dict, list]:
     """Validate everything against this model and optimizer and read this rank's part
     into new tensors. Returns (entries, staged tensors, parameters whose state the
     checkpoint does not hold: their state is dropped on success, i.e. fresh)."""
@@ -275,7 +318,7 @@ def _stage(folder: Folder, model, optimizer, created: list) -> tuple[list[Entry]
         created += materialize_state(optimizer, only=[p for p in params if fqn_of.get(id(p)) in saved])
         entries += [e for e in optimizer_entries(model, optimizer)
                     if e.name.removeprefix("optim/").rpartition("/")[0] in saved]
-    _check_names(index, entries, path, optimizer is not None)
+    _check_names(index, entries, path, optimizer is not None, stage)
     for e in entries:
         meta = index["tensors"][e.name]
         if tuple(meta["shape"]) != e.global_shape:
@@ -288,7 +331,8 @@ def _stage(folder: Folder, model, optimizer, created: list) -> tuple[list[Entry]
     return entries, staged, fresh
 
 
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         stage_axis: str | None = None) -> dict:
     """Load a checkpoint saved on any mesh into ``model`` (and ``optimizer``) on this one.
 
     Collective. Each rank reads only the saved boxes intersecting its own boxes (each
@@ -301,6 +345,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     replaced meanwhile) raise :class:`CheckpointError` on every rank and leave the model
     and optimizer bit-identical. A checkpoint saved before the optimizer's first step
     (no state) loads with fresh state. Returns the ``extra`` dict given to :func:`save`.
+    ``stage_axis``: ``model`` is this rank's pipeline stages (see :func:`save`), which hold
+    some of the saved tensors: the others are not read (none of its own may be missing).
     """
     path = Path(path)
     created: list = []
@@ -308,7 +354,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     try:
         with Folder(path) as folder:
             index, digest = folder.index, folder.digest
-            entries, staged, fresh = _stage(folder, model, optimizer, created)
+            entries, staged, fresh = _stage(folder, model, optimizer, created, stage_axis is not None)
     except CheckpointError as exc:
         error = exc
     except Exception as exc:  # any failure must reach the collective below, or peers hang

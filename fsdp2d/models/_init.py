@@ -11,7 +11,8 @@ different, and the weights equal a single process's initialisation with the same
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,3 +36,14 @@ def init_(param: torch.Tensor, fill: Callable[[torch.Tensor], object]) -> None:
             local_of(param).copy_(layout_of(param).shard(full))
         return
     fill(param)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Random draws inside come from ``torch.manual_seed(seed)`` (CPU and every CUDA device,
+    where torch's DTensor random ops draw too); the generators' states are restored after,
+    so what follows does not depend on how much was drawn inside."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield

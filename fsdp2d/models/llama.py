@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._init import init_
+from ._init import init_, seeded
 from ._tie import retie
 from .document import document_mask, document_positions
 
@@ -285,18 +285,34 @@ class Llama(nn.Module):
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """(Re)initialise every parameter in place and recompute ``rope_cache``.
 
-        Deterministic given ``torch.manual_seed``; parameters are visited in a fixed
-        order. ``buffer_device`` defaults to the device the buffer already lives on.
+        Deterministic given ``torch.manual_seed``: one draw from the generator gives a base
+        seed, and each piece (the embedding, layer ``i``, the output) is filled from its own
+        seed, ``base + 1 + i`` for layer ``i``. So a pipeline stage holding only some of the
+        pieces (``tok_embeddings``/``norm``/``output`` None, ``layers`` a ``ModuleDict`` keyed
+        by the original indices) gets exactly the values they get in the whole model.
+        ``buffer_device`` defaults to the device the buffer already lives on.
         """
         device = self.rope_cache.device if buffer_device is None else buffer_device
         a = self.args
         self.rope_cache = precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, device, a.rope_scaling)
-        init_(self.tok_embeddings.weight, lambda x: nn.init.normal_(x, std=1.0))
-        for layer in self.layers:
-            layer.init_weights()
-        self.norm.reset_parameters()
-        if not a.tie_embeddings:
-            _trunc_normal(self.output.weight, a.dim ** -0.5)
+        base = int(torch.randint(0, 2**62, (), device="cpu"))  # the CPU generator: no device sync
+        if self.tok_embeddings is not None:
+            with seeded(base):
+                init_(self.tok_embeddings.weight, lambda x: nn.init.normal_(x, std=1.0))
+        for layer in self.blocks():
+            with seeded(base + 1 + layer.layer_id):
+                layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not a.tie_embeddings:
+            with seeded(base + 1 + a.n_layers):
+                _trunc_normal(self.output.weight, a.dim ** -0.5)
+
+    def blocks(self) -> list[TransformerBlock]:
+        """The transformer blocks this model holds, in order (all of them, or a pipeline
+        stage's when ``layers`` is a ``ModuleDict`` keyed by their indices)."""
+        layers = self.layers
+        return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         out = super()._apply(fn, recurse)
@@ -325,9 +341,12 @@ class Llama(nn.Module):
             pos = document_positions(document_ids)  # (B, T); index_select: integer rows, no host sync
             rope = self.rope_cache.index_select(0, pos.flatten()).unflatten(0, pos.shape)  # (B, T, 2, D/2)
             mask = document_mask(document_ids)  # (B, 1, T, T)
-        h = self.tok_embeddings(tokens)  # (B, T, C)
-        for layer in self.layers:
+        # a pipeline stage without the embedding receives hidden states (B, T, C) as "tokens"
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # (B, T, C)
+        for layer in self.blocks():
             h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)  # (B, T, C)
+        if self.output is None:  # a pipeline stage before the last
+            return h  # (B, T, C)
         return self.output(self.norm(h))  # (B, T, V)
 
     def num_params(self, exclude_embedding: bool = False) -> int:

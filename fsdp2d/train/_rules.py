@@ -132,6 +132,36 @@ def check_pipeline(cfg: "JobConfig", errors: list[str]) -> None:
     if p.pp * stages > cfg.model.n_layers:
         errors.append(f"parallel.pp * stages per rank = {p.pp} * {stages} = {p.pp * stages} stages need at least "
                       f"as many layers, not model.n_layers={cfg.model.n_layers}: lower parallel.pp or add layers")
+    _check_pipeline_scope(cfg, errors)
+
+
+def _check_pipeline_scope(cfg: "JobConfig", errors: list[str]) -> None:
+    """What the trainer's pipeline does not run yet, refused one line each."""
+    p, t, pp = cfg.parallel, cfg.training, f"parallel.pp={cfg.parallel.pp}"
+    refused = [
+        (cfg.model.name != "llama", f"model.name={cfg.model.name!r}: the trainer pipelines llama only",
+         "use model.name='llama'"),
+        (bool(cfg.model.init_from), f"model.init_from={cfg.model.init_from!r}: HF weights are not loaded into "
+         f"pipeline stages yet", "convert them once at parallel.pp=1 (checkpoint.init_from reads any pp)"),
+        (cfg.data.document_mask, "data.document_mask=true: document ids do not travel between pipeline stages",
+         "set data.document_mask=false"),
+        (p.tp > 1 and p.loss_parallel, "parallel.loss_parallel=true: the last stage's loss runs outside "
+         "loss_parallel", "set parallel.loss_parallel=false"),
+        (p.tp > 1 and p.sequence_parallel, "parallel.sequence_parallel=true: not tested between pipeline stages",
+         "set parallel.sequence_parallel=false"),
+        (cfg.accum_steps > 1 and t.grad_sync == "every", "training.grad_sync='every': the schedule reduce-scatters "
+         "each stage's gradients once, after its last micro-batch", "set training.grad_sync='last'"),
+        (t.eval_every > 0 and t.eval_steps % cfg.accum_steps != 0,
+         f"training.eval_steps={t.eval_steps}: the pipeline evaluates {cfg.accum_steps} micro-batches "
+         f"(accum_steps) per run", f"use a multiple of {cfg.accum_steps}"),
+        (t.eval_every > 0 and p.pp_schedule in V_SCHEDULES, f"parallel.pp_schedule={p.pp_schedule!r} and "
+         f"training.eval_every={t.eval_every}: torch's schedule.eval fails on the V-shaped schedules "
+         f"(torch 2.13: 'can't steal_bwd_input')", "set training.eval_every=0, use Interleaved1F1B,"),
+        (p.pp_schedule == "DualPipeV" and cfg.accum_steps < 2 * p.pp, f"parallel.pp_schedule='DualPipeV' with "
+         f"{cfg.accum_steps} micro-batches per step (accum_steps): it needs at least one per stage, "
+         f"{2 * p.pp}", "lower training.micro_batch"),
+    ]
+    errors.extend(f"{pp} with {what}: {fix} or parallel.pp=1" for bad, what, fix in refused if bad)
 
 
 def check_mesh(cfg: "JobConfig", world_size: int | None, errors: list[str]) -> None:

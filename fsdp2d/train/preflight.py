@@ -45,10 +45,6 @@ def check_device(cfg: JobConfig) -> None:
     if cfg.parallel.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"parallel.device=cuda but this machine has no usable CUDA device (torch "
                           f"{torch.__version__}): run on a GPU machine or set parallel.device=cpu")
-    if cfg.parallel.pp > 1:
-        raise ConfigError(f"parallel.pp={cfg.parallel.pp}: the trainer does not run pipeline parallelism yet: "
-                          f"set parallel.pp=1, or drive torch.distributed.pipelining "
-                          f"with fsdp2d's fully_shard yourself (docs/torch.md)")
 
 
 def resuming(cfg: JobConfig) -> bool:

@@ -5,6 +5,8 @@ config -> mesh -> model on the meta device -> TP plan -> activation checkpointin
 warmup and decay -> microbatches without gradient sync until the last -> global-norm
 clipping -> metrics, evaluation and checkpoints. A resumed run loads model, optimizer,
 data position and RNG state from the latest checkpoint and continues bit for bit.
+With ``parallel.pp > 1`` a rank holds its pipeline stages instead of the whole model, and
+a torch pipelining schedule runs the micro-batches (:mod:`fsdp2d.train.pipeline`).
 
 **No host syncs in a step** (DESIGN item 9). Reading a device value (``.item()``) makes
 the CPU wait for the GPU to finish everything queued, so the next step's kernels are not
@@ -32,14 +34,13 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-from torch.utils.checkpoint import checkpoint as recompute
 
 import fsdp2d
 from fsdp2d import checkpoint as ckpt
+from fsdp2d.clip import clip_grad_norm_across_stages_
 from fsdp2d.hf.export import export_hf
 from fsdp2d.hf.weights import load_hf_into
-from fsdp2d.models import GPT2, Llama, document_ids, gpt2_tp_plan, llama_tp_plan
+from fsdp2d.models import GPT2, Llama, document_ids
 from fsdp2d.mesh import axis_size
 from fsdp2d.hf.weights import model_spec
 
@@ -50,6 +51,9 @@ from .config import ConfigError, JobConfig, save_config, validate
 from .data import build_data
 from .metrics import Metrics, Progress, allocator_metrics, device_peak, peak_memory_mib, throughput
 from .optim import adamw_kind, build_optimizer
+from .parallelize import (SAVED_OPS, _checkpoint_activations, _keep_matmuls, apply_parallelism,  # noqa: F401
+                          parallelize_model, shard_groups, to_device)  # (imported from here by plan and tests)
+from .pipeline import Pipeline
 from .writers import build_writers
 
 
@@ -70,95 +74,6 @@ def build_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh, say=lambda what: None) 
     return model
 
 
-def parallelize_model(cfg: JobConfig, mesh: fsdp2d.DeviceMesh) -> torch.nn.Module:
-    """The model on the meta device with the TP plan, activation checkpointing and
-    ``fully_shard`` applied as ``cfg`` says (``fsdp2d plan`` builds with this too)."""
-    args = cfg.model.to_args()
-    with torch.device("meta"):
-        model = Llama(args) if cfg.model.name == "llama" else GPT2(args)
-    p = cfg.parallel
-    if p.tp > 1:
-        make_plan = llama_tp_plan if cfg.model.name == "llama" else gpt2_tp_plan
-        fsdp2d.parallelize_module(model, mesh["tp"], make_plan(sequence_parallel=p.sequence_parallel,
-                                                               loss_parallel=p.loss_parallel))
-    blocks = list(model.layers if cfg.model.name == "llama" else model.h)
-    if cfg.training.activation_checkpointing != "none":
-        for block in blocks:
-            _checkpoint_activations(block, cfg.training.activation_checkpointing)
-    dp_axes = tuple(n for n in cfg.mesh_dim_names if n != "tp")
-    bf16 = cfg.training.mixed_precision == "bf16"
-    mp = fsdp2d.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else fsdp2d.MixedPrecisionPolicy()
-    shard_groups(model, blocks, mesh[dp_axes], mp)
-    return model
-
-
-def shard_groups(model: torch.nn.Module, blocks: list[torch.nn.Module], dp_mesh: fsdp2d.DeviceMesh,
-                 mp: fsdp2d.MixedPrecisionPolicy) -> None:
-    """``fully_shard`` as torchtitan wraps: the embeddings in a group of their own, each
-    block, the final norm and the output projection as one group, then the root (which
-    holds whatever is left: nothing in fsdp2d's models). So the root's all-gather is not
-    exposed at the start of forward, nor its reduce-scatter at the end of backward, and
-    the output weight's gradient (the largest) is reduced as soon as backward leaves the
-    head. The last block and the head are not resharded after forward: backward needs
-    them first. With tied embeddings (one tensor in both) the root keeps both ends."""
-    first, last = (model.tok_embeddings, [model.norm, model.output]) if isinstance(model, Llama) \
-        else ([model.wte, model.wpe], [model.ln_f, model.lm_head])
-    tied = model.args.tie_embeddings
-    if not tied:
-        fsdp2d.fully_shard(first, mesh=dp_mesh, mp_policy=mp)
-    for i, block in enumerate(blocks):
-        fsdp2d.fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    if not tied:
-        fsdp2d.fully_shard(last, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
-    fsdp2d.fully_shard(model, mesh=dp_mesh, mp_policy=mp)
-
-
-_aten = torch.ops.aten
-SAVED_OPS = frozenset({
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
-    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
-})
-"""The ops whose outputs selective activation checkpointing keeps for backward: the
-matmuls and attention (the FLOPs); everything else in a block is recomputed."""
-
-
-def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective checkpointing's per-op policy (see :data:`SAVED_OPS`)."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_contexts():
-    return create_selective_checkpoint_contexts(_keep_matmuls)
-
-
-def _checkpoint_activations(block: torch.nn.Module, mode: str = "full") -> None:
-    """Recompute ``block``'s forward in backward instead of keeping its activations:
-    all of it (``full``), or all but the outputs of :data:`SAVED_OPS` (``selective``)."""
-    if mode not in ("full", "selective"):
-        raise ValueError(f"activation checkpointing mode {mode!r}: use 'full' or 'selective' ('none': do not call)")
-    inner = block.forward
-    extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
-
-    def forward(*args, **kwargs):
-        return recompute(inner, *args, use_reentrant=False, **extra, **kwargs)
-
-    block.forward = forward
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` without making the host wait: a copy from pageable memory to
-    a GPU waits for everything queued before it, so the batch goes through pinned memory
-    (a host-side copy) and then to the device with ``non_blocking`` (the caching host
-    allocator keeps the pinned buffer until the copy is done). On the CPU, ``t`` itself."""
-    if t.device == device:
-        return t
-    if t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
 def _rng_state() -> str:
     return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
 
@@ -175,9 +90,10 @@ def _sum_over_world(value: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _mean_over_world(value: torch.Tensor) -> float:
-    """Mean of a per-rank scalar; TP ranks of one data slice hold equal values."""
-    return _sum_over_world(value).item() / dist.get_world_size()
+def _mean_over_world(value: torch.Tensor, holders: int) -> float:
+    """Mean of a per-rank scalar held by ``holders`` ranks (the others hold 0: the ranks
+    without the last pipeline stage); TP ranks of one data slice hold equal values."""
+    return _sum_over_world(value).item() / holders
 
 
 class Trainer:
@@ -192,7 +108,15 @@ class Trainer:
                  f"({dist.get_world_size()} ranks, {dist.get_backend()})")
         self.data = self._preflight()
         self.say("data ready")
-        self.model = build_model(cfg, self.mesh, self.say)
+        self.pipe = Pipeline(cfg, self.mesh) if cfg.parallel.pp > 1 else None
+        """This rank's pipeline stages and schedule (``parallel.pp > 1``), else None."""
+        if self.pipe is not None:
+            self.say(self.pipe.describe())
+        self.model = build_model(cfg, self.mesh, self.say) if self.pipe is None else self.pipe.model
+        self.loss_holders = dist.get_world_size() // cfg.parallel.pp
+        """Ranks whose step loss counts: those of the last pipeline stage (all at pp=1)."""
+        self.stage_axis = "pp" if self.pipe is not None else None
+        """Checkpoints hold every stage's tensors, each rank saving and loading its own."""
         self.say(f"weights on {cfg.parallel.device}" + (f", loaded from {cfg.model.init_from}"
                                                         if cfg.model.init_from else ", initialised"))
         self.opt = build_optimizer(self.model.parameters(), cfg)
@@ -208,6 +132,7 @@ class Trainer:
         self.metrics = Metrics(cfg.run_dir, cfg.training.steps, enabled=self.rank == 0, writers=writers)
         with torch.device("meta"):
             meta = Llama(cfg.model.to_args()) if cfg.model.name == "llama" else GPT2(cfg.model.to_args())
+        self.meta = meta  # the whole model's shape (a pipeline rank holds only its stages)
         self.flops_per_token = meta.flops_per_token(cfg.data.seq_len)
         self.num_params = meta.num_params()
         self.peak = device_peak(cfg.parallel.device, cfg.metrics.peak_flops)
@@ -218,7 +143,7 @@ class Trainer:
         cfg, data, error = self.cfg, None, ""
         dp_rank = 0
         for name in self.mesh.mesh_dim_names:
-            if name != "tp":
+            if name not in ("tp", "pp"):  # the stages of one data slice read the same batches
                 dp_rank = dp_rank * axis_size(self.mesh, name) + self.mesh.get_local_rank(name)
         try:
             if self.rank == 0:  # one run per run folder (lock.py), before anything reads or writes it
@@ -284,7 +209,7 @@ class Trainer:
         for step in reversed(self.ckpts.steps()):
             path = self.ckpts.path(step)
             try:
-                extra = ckpt.load(path, self.model, self.opt)  # collective: all ranks fail together
+                extra = ckpt.load(path, self.model, self.opt, stage_axis=self.stage_axis)  # all ranks fail together
                 step, data_state, rng = int(extra["step"]), extra["data"], extra["rng"]
                 self.data.load_state_dict(data_state)
                 _set_rng_state(rng)
@@ -311,15 +236,15 @@ class Trainer:
         c = self.cfg.checkpoint
         if not c.init_from:
             return
-        ckpt.load(c.init_from, self.model, self.opt if c.init_from_optimizer else None)
+        ckpt.load(c.init_from, self.model, self.opt if c.init_from_optimizer else None, stage_axis=self.stage_axis)
         self._say(f"initialised from {c.init_from} ({'weights and optimizer state' if c.init_from_optimizer else 'weights'}"
                   f"), step 0 with this run's data")
 
     def save(self) -> None:
         extra = {"step": self.step, "data": self.data.state_dict(), "rng": _rng_state(),
-                 "model": model_spec(self.model)}  # lets `export --format hf` write config.json
+                 "model": model_spec(self.meta)}  # lets `export --format hf` write config.json
         extra.update(self.data.tokenizer.extra())  # what the tokens were made with: for `generate` and the HF export
-        self.ckpts.save(self.step, self.model, self.opt, extra=extra)
+        self.ckpts.save(self.step, self.model, self.opt, extra=extra, stage_axis=self.stage_axis)
 
     # -- one step ------------------------------------------------------------------------
     def _loss_context(self):
@@ -341,6 +266,23 @@ class Trainer:
         gradient norm, read from the device before the optimizer step together with
         those of the unread steps before it (:class:`TrainingError` if any loss is not
         finite); without: None, and nothing waits for the device (see the module doc)."""
+        # forward and backward of the accum_steps micro-batches: this rank's loss (their sum)
+        total = self._accumulate(batches) if self.pipe is None else self.pipe.step(batches)
+        loss_sum = _sum_over_world(total)
+        max_norm = self.cfg.optim.max_norm if self.cfg.optim.max_norm > 0 else float("inf")
+        if self.pipe is None:
+            grad_norm = fsdp2d.clip_grad_norm_(self.model.parameters(), max_norm)
+        else:  # the norm over every stage
+            grad_norm = clip_grad_norm_across_stages_(self.model.parameters(), max_norm, pp=self.cfg.parallel.pp)
+        self.unread.append((self.step + 1, loss_sum, grad_norm))
+        values = self._read() if read else None
+        self.opt.step()
+        self.opt.zero_grad()
+        return values
+
+    def _accumulate(self, batches: Iterator) -> torch.Tensor:
+        """Forward and backward of ``accum_steps`` micro-batches, each loss over
+        ``accum_steps``; their sum, on the device."""
         accum = self.cfg.accum_steps
         total = torch.zeros((), device=self.cfg.parallel.device)
         for micro in range(accum):
@@ -350,14 +292,7 @@ class Trainer:
             with self._loss_context():
                 loss.backward()
             total += loss.detach()
-        loss_sum = _sum_over_world(total)
-        max_norm = self.cfg.optim.max_norm if self.cfg.optim.max_norm > 0 else float("inf")
-        grad_norm = fsdp2d.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.unread.append((self.step + 1, loss_sum, grad_norm))
-        values = self._read() if read else None
-        self.opt.step()
-        self.opt.zero_grad()
-        return values
+        return total
 
     def _read(self) -> tuple[float, float]:
         """Loss and gradient norm of the newest unread step, all unread steps read in one
@@ -365,9 +300,8 @@ class Trainer:
         steps = [step for step, _, _ in self.unread]
         rows = torch.stack([torch.cat((loss, norm.float().reshape(1))) for _, loss, norm in self.unread]).tolist()
         self.unread = []
-        world = dist.get_world_size()
         for step, (loss_sum, grad_norm) in zip(steps, rows):
-            loss = loss_sum / world
+            loss = loss_sum / self.loss_holders
             if not math.isfinite(loss):
                 now = steps[-1]
                 ran = f"step {step}" if now - step == 1 else f"steps {step} to {now - 1}"
@@ -380,14 +314,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
         batches = iter(self.data.eval_batches())
         total = torch.zeros((), device=self.cfg.parallel.device)
         steps = self.cfg.training.eval_steps
+        if self.pipe is not None:  # accum_steps eval batches per schedule run, each loss / accum_steps
+            for _ in range(steps // self.cfg.accum_steps):
+                total += self.pipe.evaluate(batches)
+            return _mean_over_world(total / (steps // self.cfg.accum_steps), self.loss_holders)
+        self.model.eval()
         for _ in range(steps):
             total += self._loss(*next(batches))
         self.model.train()
-        return _mean_over_world(total / steps)
+        return _mean_over_world(total / steps, self.loss_holders)
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> dict:

@@ -147,3 +147,29 @@ def test_a_reader_keeps_few_files_open(source, sharded, monkeypatch):
     ckpt.load(sharded, model, opt)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in source[1].items())
     assert most[0] == 1 and len(set(opened)) == 4, (most, sorted(set(opened)))
+
+
+def _set_stage(name: str, value):
+    return lambda index: index["tensors"][name].__setitem__("stage", value)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_set_stage("model/layers.0.weight", {"tp": 0}), "stage {'tp': 0} is not {axis: coordinate} on one mesh axis "
+                                                     "outside its layout"),
+    (_set_stage("model/layers.0.weight", {"pp": 0}), "stage {'pp': 0} is not"),
+    (_set_stage("model/emb.weight", "pp"), "stage 'pp' is not"),
+    (_set_stage("model/emb.weight", {"dp": True}), "stage {'dp': True} is not"),
+])
+def test_a_pipeline_stage_pin_that_does_not_fit_is_refused(sharded, edit, match):
+    """A pipeline checkpoint's ``"stage"`` pin (``save(..., stage_axis=)``) names one mesh
+    axis outside the tensor's layout and a coordinate on it; anything else is refused."""
+    _edit(sharded, edit)
+    _refused(sharded, match)
+
+
+def test_a_stage_pin_pointing_at_another_file_is_refused(sharded):
+    """A valid pin that is not where the box was written: its file has no such tensor."""
+    index = json.loads((sharded / INDEX).read_text())
+    name = next(n for n, m in index["tensors"].items() if m["layout"]["axes"] == [] and n.startswith("optim/"))
+    _edit(sharded, _set_stage(name, {"dp": 1}))
+    _refused(sharded, "rank00002.safetensors")

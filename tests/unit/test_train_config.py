@@ -289,3 +289,32 @@ def test_pipeline_fields_shape_the_mesh_and_are_checked():
     cfg.parallel.pp_schedule, cfg.parallel.pp_stages_per_rank = "1F1B", 2
     with pytest.raises(ConfigError, match="'1F1B' runs one stage per rank"):
         validate(cfg, world_size=4)
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("model.name", "gpt2", "model.name='gpt2': the trainer pipelines llama only"),
+    ("data.document_mask", True, "document ids do not travel between pipeline stages"),
+    ("training.grad_sync", "every", "reduce-scatters each stage's gradients once"),
+    ("training.eval_steps", 3, "training.eval_steps=3: the pipeline evaluates 2 micro-batches"),
+    ("parallel.pp_schedule", "ZBVZeroBubble", "schedule.eval fails on the V-shaped schedules"),
+    ("parallel.pp_schedule", "DualPipeV", "it needs at least one per stage, 4"),
+])
+def test_what_the_pipeline_does_not_run_is_refused_in_one_line(field, value, says):
+    """Each pipeline feature the trainer does not run (yet) is one line naming the field,
+    with the fix; the same config at pp=1 is valid."""
+    cfg = JobConfig()
+    cfg.parallel.pp, cfg.parallel.dp, cfg.model.n_layers = 2, 2, 4
+    cfg.training.global_batch, cfg.training.micro_batch, cfg.training.grad_sync = 8, 2, "last"
+    cfg.training.eval_steps = 4
+    validate(cfg, world_size=4)  # the base pipelined config is valid
+    section, name = field.split(".")
+    setattr(getattr(cfg, section), name, value)
+    if field == "model.name":
+        cfg.model.n_kv_heads = None
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=4)
+    lines = [line.strip() for line in str(err.value).splitlines() if says in line]
+    assert len(lines) == 1 and "parallel.pp=2 with" in lines[0] and lines[0].endswith("or parallel.pp=1")
+    if field != "parallel.pp_schedule":
+        cfg.parallel.pp, cfg.parallel.dp = 1, 4
+        validate(cfg, world_size=4)
