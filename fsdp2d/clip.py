@@ -57,6 +57,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     weight in the world-wide sum, device and dtype: one or two groups in a model), one
     all-reduce, and one ``_foreach_mul_`` per device and dtype, as torch's foreach path.
     Collective: every rank must call it with the matching parameters.
+
+    Not for pipeline stages: it takes the ranks outside the parameters' mesh to hold copies
+    of them, so on a stage it returns the whole model's norm over ``sqrt(pp)``; use
+    :func:`clip_grad_norm_across_stages_` there (the trainer does). It cannot tell a stage
+    from a replica by itself: torch hands back equal mesh slices of another root mesh over
+    the same ranks, so the mesh's root does not say whether a ``pp`` axis is in play.
     """
     return _clip(parameters, max_norm, norm_type, error_if_nonfinite, holders=_world())
 

@@ -1,7 +1,8 @@
 """``fsdp2d plan --search`` over pipeline meshes (``pp x dp x tp``): the candidates with
 ``parallel.pp > 1`` and their rows, from :mod:`fsdp2d.plan.pipeline`'s closed-form model.
 
-fsdp2d's trainer does not run pipelines yet, so these candidates are not dry-run: each is
+A whole pipelined step is not dry-run (the schedule's fake-world dry run is not built), so these
+candidates are not either: each is
 configured and validated as the others (:func:`fsdp2d.plan.search.configure`), then
 estimated analytically, and ranked among themselves by the same key
 (:func:`fsdp2d.plan.search.rank_key`) in a list of their own. They are not merged into the
@@ -19,7 +20,8 @@ from fsdp2d.train.config import ConfigError, JobConfig
 
 from .estimate import GPU
 from .pipeline import ModelCounts, pipeline_plan
-from .search import MODES, Choice, _tp_problems, configure, rank_key
+from ._choice import MODES, Choice, configure, rank_key
+from ._choice import tp_problems as _tp_problems
 
 __all__ = ["PP_SCHEDULES", "pipeline_candidates", "pipeline_search", "format_pipeline_search"]
 

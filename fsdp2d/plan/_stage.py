@@ -1,7 +1,7 @@
 """One pipeline stage, dry-run: the check of :mod:`fsdp2d.plan.pipeline`'s closed-form model.
 
-fsdp2d's trainer does not run pipelines yet, so ``fsdp2d plan`` with ``parallel.pp > 1`` has no
-training step to dry-run whole. What it can measure is one stage: :func:`build_stage` builds
+``fsdp2d plan`` with ``parallel.pp > 1`` does not dry-run a whole pipelined step (the trainer
+runs it; the schedule's fake-world dry run is not built). What it can measure is one stage: :func:`build_stage` builds
 the full Llama on the meta device, keeps the layers :func:`fsdp2d.models.stages.stage_layers`
 gives the stage (FQNs kept: ``layers.15...`` stays ``layers.15``), the embedding on stage 0 and
 the final norm and output on the last, and applies the trainer's TP plan (the entries for the
@@ -42,6 +42,7 @@ from fsdp2d.train.trainer import _checkpoint_activations
 from ._dryrun import ShardOptimizer, _loss_context, _snapshot, axis_groups, warm_up
 from ._probe import StepProbe
 from .estimate import GPU
+from .pipeline import format_checks  # (the check lines live with the rest of the table)
 
 __all__ = ["Stage", "build_stage", "stage_dry_run", "check_stages", "format_checks"]
 
@@ -225,21 +226,3 @@ def check_stages(cfg: JobConfig, world: int, ranks: list[int], gpu: "GPU", gpus_
         out.append({"rank": rank, "stage": stage, "dry_run_s": seconds, "measured": measured, "model": model,
                     "measured_compute_s": roofline_seconds(ops, gpu), "model_compute_s": compute})
     return out
-
-
-def format_checks(checks: list[dict]) -> list[str]:
-    """The dry-run check lines of ``fsdp2d plan``'s pipeline table."""
-    gib = 2**30
-    lines = []
-    for c in checks:
-        m, e = c["measured"], c["model"]
-        states = m["parameters"] + m["gradients"] + m["optimizer"]
-        comm = "; ".join(f"{k} {n} x {b / gib:.2f} GiB" for k, (n, b) in m["micro_batch_collectives"].items())
-        lines += [f"  dry run of stage {c['stage']} ({e['layers']} blocks) as rank {c['rank']}, two micro-batches in "
-                  f"flight ({c['dry_run_s']:.1f} s): measured / model",
-                  f"    states {states / gib:.2f} / {e['states'] / gib:.2f} GiB; peak {m['peak'] / gib:.2f} / "
-                  f"{e['peak'] / gib:.2f} GiB; one more micro-batch in flight {m['chunk'] / gib:.3f} / "
-                  f"{e['chunk'] / gib:.3f} GiB",
-                  f"    one micro-batch: compute {c['measured_compute_s'] * 1e3:.1f} ms (roofline of the measured ops) / "
-                  f"{c['model_compute_s'] * 1e3:.1f} ms (FLOPs at peak); collectives {comm or 'none'}"]
-    return lines

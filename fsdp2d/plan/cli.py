@@ -13,7 +13,7 @@ CPU: in this process), each printing a line as a stage starts, then prints per r
 measured memory, padding and collectives per mesh axis, and the roofline estimate of
 :mod:`fsdp2d.plan.estimate` for the GPU. ``--search`` ranks every configuration of the model on the world size instead
 (:mod:`fsdp2d.plan.search`). With ``parallel.pp > 1`` the memory and step are
-:mod:`fsdp2d.plan.pipeline`'s closed-form model (the trainer runs no pipeline to dry-run),
+:mod:`fsdp2d.plan.pipeline`'s closed-form model (no fake-world dry run of a whole pipelined step is built),
 checked by a dry run of the largest stage of each pipeline rank shown
 (:mod:`fsdp2d.plan._stage`).
 
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from fsdp2d.train._rules import MAX_WORLD
+from fsdp2d.train._rules import MAX_WORLD, pipeline_scope
 from fsdp2d.train.config import ConfigError, JobConfig, load_config, validate
 
 from ._format import format_header, format_ranks
@@ -88,7 +88,7 @@ def resolve(config: str, overrides: list[str], world: int | None, overlays: list
         p.dp = world // other
         if not any(o.startswith("--training.global_batch") for o in overrides):
             cfg.training.global_batch = per_rank * cfg.dp_degree
-    validate(cfg, world_size=cfg.world_size)
+    validate(cfg, world_size=cfg.world_size, trainer=False)
     return cfg
 
 
@@ -163,10 +163,11 @@ def plan(cfg: JobConfig, world: int, ranks: list[int], gpu_name: str, gpus_per_n
               "model_params": model.num_params(), "flops_per_token": flops_per_token,
               "tokens_per_gpu_per_step": tokens_per_gpu,
               "micro_batch": cfg.micro_batch, "accum_steps": cfg.accum_steps, "ranks": []}
-    if cfg.parallel.pp > 1:  # analytic only: fsdp2d's trainer runs no pipeline to dry-run (pipeline.py)
+    if cfg.parallel.pp > 1:  # analytic, with stage dry runs (pipeline.py)
         from .pipeline import pipeline_plan
 
         report["pp"] = cfg.parallel.pp
+        report["trainer_refuses"] = pipeline_scope(cfg)
         e = report["pipeline"] = pipeline_plan(cfg, world, gpu, gpus_per_node, flops_per_token, ranks)
         checked = sorted({*ranks, e["heaviest_pp_rank"] * (world // cfg.parallel.pp)})  # and the heaviest's
         if on_header is not None:

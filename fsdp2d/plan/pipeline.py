@@ -1,8 +1,8 @@
 """``fsdp2d plan`` with pipeline parallelism (``parallel.pp > 1``): a closed-form model of one
 pipeline rank, checked by a dry run of single stages.
 
-fsdp2d's trainer does not run pipelines yet, so there is no pipelined training step to
-dry-run: a ``pp > 1`` plan's memory and step are **analytic**, and its output says so. Every
+plan does not dry-run a whole pipelined step (the trainer runs it, ``fsdp2d.train.pipeline``;
+the schedule's fake-world dry run is not built): a ``pp > 1`` plan's memory and step are **analytic**, and its output says so. Every
 input is a count (the model's parameters per layer and at the ends, from the meta model; the
 schedule's micro-batches in flight, from torch's own schedule arithmetic) or a figure of
 :data:`fsdp2d.plan.estimate.GPUS`. ``fsdp2d plan`` then dry-runs the largest stage of each
@@ -169,7 +169,7 @@ def _stage_params(counts: ModelCounts, stage: int, layers: int, n_stages: int) -
 def stage_figures(cfg: JobConfig, counts: ModelCounts, stage: int, chunks: int) -> dict:
     """The model's bytes for one stage with ``chunks`` micro-batches in flight (what
     :func:`fsdp2d.plan._stage.stage_dry_run` measures, to check them)."""
-    from .search import activation_bytes, logit_bytes
+    from ._choice import activation_bytes, logit_bytes
 
     p = cfg.parallel
     n_stages = p.pp * cfg.pp_stages_per_rank
@@ -185,7 +185,7 @@ def stage_figures(cfg: JobConfig, counts: ModelCounts, stage: int, chunks: int) 
 
 def rank_memory(cfg: JobConfig, counts: ModelCounts, pp_rank: int) -> dict:
     """Bytes of pipeline rank ``pp_rank``'s peak, by term (module doc)."""
-    from .search import activation_bytes, logit_bytes
+    from ._choice import activation_bytes, logit_bytes
 
     p, pipe = cfg.parallel, Pipeline.of(cfg)
     stages = rank_stages(cfg, pipe, pp_rank)
@@ -292,9 +292,10 @@ def format_pipeline(report: dict) -> str:
     lines = [f"pipeline: {e['schedule']}, {e['stages_per_rank']} stage(s) per rank, {e['microbatches']} micro-batches "
              f"per step, bubble {e['bubble_microbatches']:.2f} micro-batches ({e['bubble_fraction'] * 100:.1f}% of the "
              f"step)",
-             "  ANALYTIC: fsdp2d's trainer does not run pipelines yet, so the figures below are "
+             "  ANALYTIC: plan does not dry-run a whole pipelined step, so the figures below are "
              "fsdp2d/plan/pipeline.py's closed-form model (no transients counted); the dry runs of single "
              "stages at the end check its pieces"]
+    lines += [f"  fsdp2d train would refuse this configuration: {why}" for why in report.get("trainer_refuses", [])]
     for r, row in e["pp_ranks"].items():
         m = row["memory"]
         lines += [
@@ -319,8 +320,23 @@ def format_pipeline(report: dict) -> str:
     lines.append(f"    {'fits' if e['fits'] else 'does not fit'}: heaviest pipeline rank {e['heaviest_pp_rank']} "
                  f"{_gib(peak)} of {_gib(hbm)} GiB" + ("" if e["fits"] else f" ({_gib(peak - hbm)} GiB over)"))
     if "checks" in e:
-        from ._stage import format_checks
-
         lines += format_checks(e["checks"])
     return "\n".join(lines)
 
+
+def format_checks(checks: list[dict]) -> list[str]:
+    """The dry-run check lines of ``fsdp2d plan``'s pipeline table."""
+    gib = 2**30
+    lines = []
+    for c in checks:
+        m, e = c["measured"], c["model"]
+        states = m["parameters"] + m["gradients"] + m["optimizer"]
+        comm = "; ".join(f"{k} {n} x {b / gib:.2f} GiB" for k, (n, b) in m["micro_batch_collectives"].items())
+        lines += [f"  dry run of stage {c['stage']} ({e['layers']} blocks) as rank {c['rank']}, two micro-batches in "
+                  f"flight ({c['dry_run_s']:.1f} s): measured / model",
+                  f"    states {states / gib:.2f} / {e['states'] / gib:.2f} GiB; peak {m['peak'] / gib:.2f} / "
+                  f"{e['peak'] / gib:.2f} GiB; one more micro-batch in flight {m['chunk'] / gib:.3f} / "
+                  f"{e['chunk'] / gib:.3f} GiB",
+                  f"    one micro-batch: compute {c['measured_compute_s'] * 1e3:.1f} ms (roofline of the measured ops) / "
+                  f"{c['model_compute_s'] * 1e3:.1f} ms (FLOPs at peak); collectives {comm or 'none'}"]
+    return lines

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["check_ranges", "check_mesh", "check_model", "check_batch", "check_pipeline", "divisors", "error_text",
+__all__ = ["check_ranges", "check_mesh", "check_model", "check_batch", "check_pipeline", "pipeline_scope", "divisors", "error_text",
            "mesh_text", "MAX_WORLD", "MAX_BATCH", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES"]
 
 # Upper bounds far above any job run today (the largest clusters hold ~10^5 GPUs; Llama 3
@@ -132,11 +132,14 @@ def check_pipeline(cfg: "JobConfig", errors: list[str]) -> None:
     if p.pp * stages > cfg.model.n_layers:
         errors.append(f"parallel.pp * stages per rank = {p.pp} * {stages} = {p.pp * stages} stages need at least "
                       f"as many layers, not model.n_layers={cfg.model.n_layers}: lower parallel.pp or add layers")
-    _check_pipeline_scope(cfg, errors)
 
 
-def _check_pipeline_scope(cfg: "JobConfig", errors: list[str]) -> None:
-    """What the trainer's pipeline does not run yet, refused one line each."""
+def pipeline_scope(cfg: "JobConfig") -> list[str]:
+    """What the trainer's pipeline does not run yet, one line each (empty at pp=1): the
+    trainer refuses these (:func:`fsdp2d.train.config.validate`), ``fsdp2d plan`` plans them
+    and says the trainer would refuse them."""
+    if cfg.parallel.pp == 1:
+        return []
     p, t, pp = cfg.parallel, cfg.training, f"parallel.pp={cfg.parallel.pp}"
     refused = [
         (cfg.model.name != "llama", f"model.name={cfg.model.name!r}: the trainer pipelines llama only",
@@ -161,7 +164,7 @@ def _check_pipeline_scope(cfg: "JobConfig", errors: list[str]) -> None:
          f"{cfg.accum_steps} micro-batches per step (accum_steps): it needs at least one per stage, "
          f"{2 * p.pp}", "lower training.micro_batch"),
     ]
-    errors.extend(f"{pp} with {what}: {fix} or parallel.pp=1" for bad, what, fix in refused if bad)
+    return [f"{pp} with {what}: {fix} or parallel.pp=1" for bad, what, fix in refused if bad]
 
 
 def check_mesh(cfg: "JobConfig", world_size: int | None, errors: list[str]) -> None:

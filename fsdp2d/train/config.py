@@ -49,7 +49,7 @@ else:  # Python 3.10: the same parser, packaged as `tomli`
     import tomli as tomllib
 
 from ._rules import (SINGLE_STAGE_SCHEDULES, check_batch, check_mesh, check_model, check_pipeline, check_ranges,
-                     error_text)
+                     error_text, pipeline_scope)
 
 __all__ = [
     "ConfigError", "ModelConfig", "ParallelConfig", "SourceConfig", "DataConfig", "OptimConfig",
@@ -641,7 +641,7 @@ def _check_types(cfg: JobConfig, errors: list[str]) -> None:
                 errors.append(str(e))
 
 
-def validate(cfg: JobConfig, world_size: int | None = None) -> None:
+def validate(cfg: JobConfig, world_size: int | None = None, *, trainer: bool = True) -> None:
     """Check every cross-field rule; raise one ConfigError listing all problems.
 
     ``world_size`` is the number of processes actually running (torchrun's WORLD_SIZE);
@@ -661,6 +661,8 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         check_model(cfg, errors)
         check_batch(cfg, errors)
         check_pipeline(cfg, errors)
+        if trainer:  # what the trainer's pipeline does not run yet (fsdp2d plan plans it and says so)
+            errors.extend(pipeline_scope(cfg))
     if errors:
         raise ConfigError(error_text(errors))
 

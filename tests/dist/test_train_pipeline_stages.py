@@ -97,3 +97,39 @@ def test_stage_weights_and_checkpoints_match_the_whole_model(pool, tmp_path, cas
         assert r["pp_to_flat"], f"rank {rank}: the pp=2 checkpoint did not load exactly at pp=1"
         assert r["flat_to_pp"], f"rank {rank}: the pp=1 checkpoint did not load exactly into the stages"
         assert r["extra"] == {"k": 1}
+
+
+
+def job_clip(case: str) -> dict:
+    """Gradients equal to the initial weights on every stage: the whole model's norm is
+    the one-process model's weight norm; fsdp2d.clip_grad_norm_ (not for stages) gives it
+    over sqrt(pp), as documented."""
+    import fsdp2d
+    from fsdp2d.clip import clip_grad_norm_across_stages_
+    from fsdp2d.models import Llama
+    from fsdp2d.train.config import load_config
+    from fsdp2d.train.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    cfg = load_config(BASE[1], BASE[2:] + CASES[case])
+    ref = Llama(cfg.model.to_args())
+    torch.manual_seed(cfg.training.seed)
+    ref.init_weights()
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach()) for p in ref.parameters()]))
+    pipe = Pipeline(cfg, get_mesh(cfg.mesh_shape, cfg.mesh_dim_names))
+    for p in pipe.model.parameters():
+        p.grad = p.detach().clone()
+    world = fsdp2d.clip_grad_norm_(pipe.model.parameters(), 1e9)
+    got = clip_grad_norm_across_stages_(pipe.model.parameters(), 1e9, pp=cfg.parallel.pp)
+    return {"rel": ((got - want).abs() / want).item(),
+            "world_rel": ((world * cfg.parallel.pp ** 0.5 - want).abs() / want).item()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_clip_over_stages_is_the_whole_models_norm(pool, case):
+    """clip_grad_norm_across_stages_ (what the trainer calls) gives the whole model's norm;
+    fsdp2d.clip_grad_norm_ on a stage gives it over sqrt(pp) (documented: not for stages).
+    fp32 sums of the same squares in another order: 1e-6 relative."""
+    for r in pool.run(job_clip, case, timeout=300):
+        assert r["rel"] < 1e-6, r["rel"]
+        assert r["world_rel"] < 1e-6, r["world_rel"]

@@ -160,7 +160,7 @@ def test_plan_cli_prints_the_pipeline_and_its_stage_checks(capsys, monkeypatch):
     monkeypatch.setattr(stage.os, "sched_getaffinity", lambda pid: {0})  # in this process, no fork
     assert main(["--config", SMALL, *SMALL_PP, "--parallel.tp=2"]) == 0
     out = capsys.readouterr().out
-    assert "mesh pp=2 x dp=1 x tp=2" in out and "ANALYTIC: fsdp2d's trainer does not run pipelines yet" in out
+    assert "mesh pp=2 x dp=1 x tp=2" in out and "ANALYTIC: plan does not dry-run a whole pipelined step" in out
     assert "pipeline rank 0: stages [0]" in out and "pipeline rank 1: stages [1]" in out
     assert "dry run of stage 0 (2 blocks) as rank 0" in out and "dry run of stage 1 (2 blocks) as rank 2" in out
 
