@@ -59,12 +59,22 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     Collective: every rank must call it with the matching parameters.
 
     Not for pipeline stages: it takes the ranks outside the parameters' mesh to hold copies
-    of them, so on a stage it returns the whole model's norm over ``sqrt(pp)``; use
-    :func:`clip_grad_norm_across_stages_` there (the trainer does). It cannot tell a stage
-    from a replica by itself: torch hands back equal mesh slices of another root mesh over
-    the same ranks, so the mesh's root does not say whether a ``pp`` axis is in play.
+    of them, so on a stage it would return the whole model's norm over ``sqrt(pp)``. It
+    raises ValueError on the parameters of ``fully_shard`` groups that torch's pipelining
+    has reduced (marked then); a stage with TP only (no ``fully_shard``) or not yet stepped
+    is not recognised (torch hands back equal mesh slices of another root mesh over the
+    same ranks, so the mesh's root does not say whether a ``pp`` axis is in play). Use
+    :func:`clip_grad_norm_across_stages_` there (the trainer does).
     """
-    return _clip(parameters, max_norm, norm_type, error_if_nonfinite, holders=_world())
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    staged = next((p for p in params if getattr(p, "_fsdp2d_pipeline_stage", False)), None)
+    if staged is not None:  # (marked when torch's pipelining reduced its group: fsdp2d/fsdp/_torch_state.py)
+        raise ValueError("fsdp2d.clip_grad_norm_: these parameters are a pipeline stage's (torch's pipelining "
+                         "reduced their fully_shard groups), and a norm over the world would count the other "
+                         "stages as copies of this one: use fsdp2d.clip.clip_grad_norm_across_stages_(params, "
+                         "max_norm, pp=<pipeline degree>) for the whole model's norm (torchtitan's), or "
+                         "torch.nn.utils.clip_grad_norm_ for this stage's own")
+    return _clip(params, max_norm, norm_type, error_if_nonfinite, holders=_world())
 
 
 @torch.no_grad()

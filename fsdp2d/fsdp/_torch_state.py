@@ -265,6 +265,7 @@ class GroupView(_View):
         zero-bubble weight step assigns ``.grad`` directly."""
         group = self._group
         _refuse_skipped_weights(group)
+        _mark_stage(group)
         pending = any(p.unsharded is not None and p.unsharded.grad is not None or p.acc_grad is not None
                       for p in group.params)
         group.needs_reduce = group.needs_reduce or pending
@@ -272,6 +273,16 @@ class GroupView(_View):
             group.ctx.post_backward(group)
         elif group.reshard_after_backward:  # never ran forward: nothing to reduce
             group.reshard()
+
+
+def _mark_stage(group: Any) -> None:
+    """Only torch's pipelining calls a group's ``post_backward`` (``perform_reduce_grad``):
+    its sharded parameters are a pipeline stage's, which ``fsdp2d.clip_grad_norm_`` refuses
+    (it would count the other stages as copies of this one). Marked once per parameter
+    object (a rebuilt group's new ones are marked at its next step)."""
+    for p in group.params:
+        if not getattr(p.sharded, "_fsdp2d_pipeline_stage", False):
+            p.sharded._fsdp2d_pipeline_stage = True
 
 
 def _refuse_skipped_weights(group: Any) -> None:

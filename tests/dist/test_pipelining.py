@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .pool import get_mesh
+from .pool import capture_error, get_mesh
 
 VOCAB, DIM, SEQ, N_LAYERS = 32, 16, 4, 4
 BATCH, MICROBATCHES = 16, 4   # global sequences per step; micro-batches = 2 x pp
@@ -218,6 +218,9 @@ def _run(cls: type, impl: str, mesh, reshard: bool = False, fsdp: bool = True) -
             opt.zero_grad()
     out["reduce_scatters"] = counter.count(dp_group, "reduce_scatter")
     out["group_reduce_scatters"] = sum(g.counts["reduce_scatter"] for g in groups) - before
+    if groups:  # a stage's parameters: fsdp2d's world-wide norm refuses them (before any collective)
+        params = [p for m in modules for p in m.parameters()]
+        out["clip_refused"] = capture_error(lambda: fsdp2d.clip_grad_norm_(params, 1e9))
     return out
 
 
@@ -291,6 +294,10 @@ def test_every_schedule_matches_torch_and_one_process(pool, layout):
         assert torch_loss_err < LOSS_TOL and torch_grad_err < GRAD_TOL, (name, torch_loss_err, torch_grad_err)
         assert vs_loss < LOSS_TOL and vs_grad < GRAD_TOL, (name, vs_loss, vs_grad)
         fsdp, dp = LAYOUTS[layout][2], LAYOUTS[layout][0][1]
+        for r in results:
+            if fsdp:  # fsdp2d.clip_grad_norm_ would count the other stage as copies of this one
+                kind, msg = r["fsdp2d", name]["clip_refused"]
+                assert kind == "ValueError" and "clip_grad_norm_across_stages_" in msg, r["fsdp2d", name]
         for counted, groups, dispatched, torch_dispatched in per_rank:
             assert (groups >= 1) == fsdp and counted == STEPS * groups, (name, per_rank)  # not once per micro-batch
             # dp=1: no collective at all on either side; dp=2: one per group per step, as torch
@@ -310,7 +317,6 @@ def job_stage_code_on_resharded_blocks() -> dict:
     reshard after forward (fully_shard's default): a user's input gradient
     (``autograd.grad``) first, then a step of whole backwards (no refusal; gradients as one
     process), then a step of split ones."""
-    from .pool import capture_error
     from .test_fsdp_module import _grad_err, _mlp, _rows, stage_step
 
     mesh, ref, model = _mlp()
