@@ -299,6 +299,28 @@ def _check_names(index: dict, entries: list[Entry], path: Path, with_optim: bool
                               f"{' ...' if len(unexpected) > 10 else ''}")
 
 
+def _unread_by_every_stage(index: dict, entries: list[Entry], model, stage_axis: str, path: Path,
+                           with_optim: bool) -> CheckpointError | None:
+    """A stage loads only its own tensors: the saved ones that no stage of this pipeline
+    wants (a checkpoint of a deeper model) would be dropped without a word. The names each
+    stage read are gathered over the pipeline axis (once per load); those left over are
+    unexpected keys, as without stages."""
+    try:
+        group = _model_mesh(model_entries(model)).get_group(stage_axis)
+    except Exception as exc:  # (the same on every rank of the pipeline: the model's mesh)
+        return CheckpointError(f"{path}: stage_axis={stage_axis!r}: {exc!r}")
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, sorted(e.name for e in entries), group=group)
+    if not index or any(not p for p in parts):  # an error elsewhere already stops the load
+        return None
+    saved = {n for n in index["tensors"] if n.startswith("model/") or (with_optim and n.startswith("optim/"))}
+    unread = sorted(saved - {n for p in parts for n in p})
+    if not unread:
+        return None
+    return CheckpointError(f"{path} does not match the model: unexpected keys {unread[:10]}"
+                           f"{' ...' if len(unread) > 10 else ''} (no pipeline stage holds them)")
+
+
 def _saved_state_fqns(index: dict) -> set[str]:
     """Parameters whose optimizer state the checkpoint holds (``optim/<fqn>/<key>``)."""
     return {n.removeprefix("optim/").rpartition("/")[0] for n in index["tensors"] if n.startswith("optim/")}
@@ -360,6 +382,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     except Exception as exc:  # any failure must reach the collective below, or peers hang
         error = CheckpointError(f"loading {path} failed: {exc!r}")
         error.__cause__ = exc
+    if stage_axis is not None:  # (collective: every rank, error or not)
+        error = _unread_by_every_stage(index, entries, model, stage_axis, path, optimizer is not None) or error
     rank = dist.get_rank() if dist.is_initialized() else 0
     agreed = agree(f"rank {rank}: {error}" if error is not None else "", digest or "",
                    "the checkpoint they read (the sha256 of its index: was it replaced during the load? "

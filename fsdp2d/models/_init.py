@@ -40,10 +40,12 @@ def init_(param: torch.Tensor, fill: Callable[[torch.Tensor], object]) -> None:
 
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
-    """Random draws inside come from ``torch.manual_seed(seed)`` (CPU and every CUDA device,
-    where torch's DTensor random ops draw too); the generators' states are restored after,
-    so what follows does not depend on how much was drawn inside."""
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    """Random draws inside come from ``torch.manual_seed(seed)`` (CPU and the current CUDA
+    device, where torch's DTensor random ops draw too); the generators' states are restored
+    after, so what follows does not depend on how much was drawn inside. Only the current
+    device's state is saved: reading every visible device's would make each rank of an
+    8-GPU node create a CUDA context on all 8 (torch's fork_rng warns of it)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield

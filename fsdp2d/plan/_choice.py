@@ -41,17 +41,20 @@ class Choice:
 
     def fields(self, global_batch: int, base: JobConfig) -> dict[str, dict[str, Any]]:
         """The config fields this choice sets, as ``{section: {key: value}}``."""
-        sp = self.tp > 1 or base.parallel.sequence_parallel
-        lp = self.tp > 1 or base.parallel.loss_parallel
+        # (the trainer's pipeline runs neither sequence nor loss parallel: pipeline_scope)
+        sp = self.pp == 1 and (self.tp > 1 or base.parallel.sequence_parallel)
+        lp = self.pp == 1 and (self.tp > 1 or base.parallel.loss_parallel)
         mesh = {"hsdp_replicate": self.replicate, "dp": self.dp, "tp": self.tp}
         if self.pp > 1 or base.parallel.pp > 1:
             stages = 1 if self.schedule in SINGLE_STAGE_SCHEDULES else 2
             mesh.update(pp=self.pp, pp_schedule=self.schedule, pp_stages_per_rank=stages)
         if base.parallel.nproc is not None:  # a config that names its process count keeps it equal to the mesh
             mesh["nproc"] = self.pp * self.replicate * self.dp * self.tp
-        return {"parallel": {**mesh, "sequence_parallel": sp, "loss_parallel": lp},
-                "training": {"global_batch": global_batch, "micro_batch": self.micro_batch,
-                             "activation_checkpointing": self.checkpointing, "grad_sync": self.grad_sync}}
+        training = {"global_batch": global_batch, "micro_batch": self.micro_batch,
+                    "activation_checkpointing": self.checkpointing, "grad_sync": self.grad_sync}
+        if self.pp > 1 and base.training.eval_every > 0:  # a pipeline evaluates whole steps of micro-batches
+            training["eval_steps"] = -(-base.training.eval_steps // self.accum) * self.accum
+        return {"parallel": {**mesh, "sequence_parallel": sp, "loss_parallel": lp}, "training": training}
 
 
 def configure(base: JobConfig, choice: Choice, global_batch: int, n_layers: int | None = None) -> JobConfig:

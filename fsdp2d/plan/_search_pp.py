@@ -58,7 +58,7 @@ def pipeline_candidates(cfg: JobConfig, world: int, gpus_per_node: int, global_b
                         m = per_rank // mb
                         rounds = max(1, m // pp)
                         if m >= pp and (stages == 1 or m % rounds == 0):
-                            out.append(Choice(1, dp, tp, ac, mb, m, cfg.training.grad_sync, pp, schedule))
+                            out.append(Choice(1, dp, tp, ac, mb, m, "last", pp, schedule))  # (a pipeline syncs once)
     return out, rejected
 
 

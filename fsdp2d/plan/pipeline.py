@@ -62,7 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp2d.models.stages import stage_layers, stages_of_rank
-from fsdp2d.train._rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
+from fsdp2d.train._rules import V_SCHEDULES
 from fsdp2d.train.config import ConfigError, JobConfig
 
 from .estimate import GPU, wire_factor
@@ -115,17 +115,10 @@ def check_pipeline_plan(cfg: JobConfig) -> None:
         raise ConfigError(f"fsdp2d plan models parallel.pp > 1 for Llama only (model.name={cfg.model.name!r}): "
                           f"set parallel.pp=1")
     if getattr(cfg.model.to_args(), "tie_embeddings", False):
-        raise ConfigError("model.tie_embeddings with parallel.pp > 1: the embedding (stage 0) and the output "
-                          "(the last stage) cannot share one tensor: set model.tie_embeddings=false")
-    m = cfg.accum_steps
-    if m < p.pp:
-        raise ConfigError(f"parallel.pp={p.pp} needs at least {p.pp} micro-batches per step (torch's schedules), "
-                          f"not {m}: lower training.micro_batch or raise training.global_batch")
-    rounds = max(1, m // p.pp)
-    if p.pp_schedule not in SINGLE_STAGE_SCHEDULES and m % rounds:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} needs the {m} micro-batches per step to be a "
-                          f"multiple of their rounds ({rounds} of pp={p.pp}): choose training.micro_batch so that "
-                          f"the micro-batches per step are a multiple of {p.pp}")
+        raise ConfigError("tied embeddings (a model.init_from whose config ties them) with parallel.pp > 1: the "
+                          "embedding (stage 0) and the output (the last stage) cannot share one tensor: use a model "
+                          "without tied embeddings or parallel.pp=1")
+    # (the micro-batches a schedule needs: fsdp2d.train._rules.check_pipeline, in validate)
 
 
 def in_flight(pipe: Pipeline, pp_rank: int) -> int:

@@ -21,6 +21,11 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 """``parallel.pp_schedule`` values that run one stage per pipeline rank."""
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """``parallel.pp_schedule`` values that run exactly two stages per rank, in a V."""
+ROUND_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+"""Schedules that run the micro-batches in rounds of ``pp`` (torch refuses a count that is
+not a multiple of ``max(1, m // pp)``)."""
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""Schedules that split backward into an input and a weight step."""
 
 
 def error_text(errors: list[str]) -> str:
@@ -132,6 +137,20 @@ def check_pipeline(cfg: "JobConfig", errors: list[str]) -> None:
     if p.pp * stages > cfg.model.n_layers:
         errors.append(f"parallel.pp * stages per rank = {p.pp} * {stages} = {p.pp * stages} stages need at least "
                       f"as many layers, not model.n_layers={cfg.model.n_layers}: lower parallel.pp or add layers")
+        return
+    t = cfg.training
+    if t.global_batch % cfg.dp_degree or (t.micro_batch and (t.global_batch // cfg.dp_degree) % t.micro_batch):
+        return  # (check_batch says what is wrong with the batch; the micro-batches are not whole)
+    m = cfg.accum_steps  # the micro-batches the schedule pipelines per step
+    if m < p.pp:
+        errors.append(f"parallel.pp={p.pp} needs at least {p.pp} micro-batches per step (torch's schedules), not "
+                      f"{m} (the per-rank batch over training.micro_batch): lower training.micro_batch or raise "
+                      f"training.global_batch")
+    elif p.pp_schedule in ROUND_SCHEDULES and m % max(1, m // p.pp):
+        rounds = m // p.pp
+        errors.append(f"parallel.pp_schedule={p.pp_schedule!r} needs the {m} micro-batches per step to be a "
+                      f"multiple of their rounds ({rounds} of pp={p.pp}): choose training.micro_batch so that "
+                      f"the micro-batches per step are a multiple of {p.pp}")
 
 
 def pipeline_scope(cfg: "JobConfig") -> list[str]:
@@ -160,6 +179,10 @@ def pipeline_scope(cfg: "JobConfig") -> list[str]:
         (t.eval_every > 0 and p.pp_schedule in V_SCHEDULES, f"parallel.pp_schedule={p.pp_schedule!r} and "
          f"training.eval_every={t.eval_every}: torch's schedule.eval fails on the V-shaped schedules "
          f"(torch 2.13: 'can't steal_bwd_input')", "set training.eval_every=0, use Interleaved1F1B,"),
+        (p.pp_schedule in SPLIT_BACKWARD_SCHEDULES and t.activation_checkpointing == "selective",
+         f"parallel.pp_schedule={p.pp_schedule!r} and training.activation_checkpointing='selective': the split "
+         f"backward runs backward twice through a region selective checkpointing lets run once (torch 2.13)",
+         "use activation_checkpointing 'full' or 'none', or the 1F1B/Interleaved1F1B schedules,"),
         (p.pp_schedule == "DualPipeV" and cfg.accum_steps < 2 * p.pp, f"parallel.pp_schedule='DualPipeV' with "
          f"{cfg.accum_steps} micro-batches per step (accum_steps): it needs at least one per stage, "
          f"{2 * p.pp}", "lower training.micro_batch"),

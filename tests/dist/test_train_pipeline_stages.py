@@ -133,3 +133,31 @@ def test_clip_over_stages_is_the_whole_models_norm(pool, case):
     for r in pool.run(job_clip, case, timeout=300):
         assert r["rel"] < 1e-6, r["rel"]
         assert r["world_rel"] < 1e-6, r["world_rel"]
+
+
+def job_deeper_checkpoint(folder: str) -> dict:
+    """A pp=1 checkpoint of a 6-layer model loaded into a 4-layer model's stages: the
+    stages hold none of layers 4-5, which were dropped without a word (a load at pp=1
+    names them as unexpected keys)."""
+    from fsdp2d import checkpoint as ckpt
+    from fsdp2d.train.config import load_config
+    from fsdp2d.train.pipeline import Pipeline
+    from fsdp2d.train.trainer import build_model
+
+    from .pool import capture_error
+
+    torch.set_num_threads(1)
+    deep = load_config(BASE[1], BASE[2:] + ["--parallel.dp=4", "--parallel.tp=1", "--model.n_layers=6"])
+    ckpt.save(Path(folder) / "deep", build_model(deep, get_mesh(deep.mesh_shape, deep.mesh_dim_names)))
+    cfg = load_config(BASE[1], BASE[2:] + CASES["pp2xdp2-Interleaved1F1B"])
+    pipe = Pipeline(cfg, get_mesh(cfg.mesh_shape, cfg.mesh_dim_names))
+    before = _full(pipe.model)
+    err = capture_error(lambda: ckpt.load(Path(folder) / "deep", pipe.model, stage_axis="pp"))
+    return {"err": err, "unchanged": all(torch.equal(t, before[n]) for n, t in _full(pipe.model).items())}
+
+
+def test_a_deeper_checkpoint_is_refused_by_stages(pool, tmp_path):
+    for r in pool.run(job_deeper_checkpoint, str(tmp_path), timeout=300):
+        kind, msg = r["err"]
+        assert kind == "CheckpointError" and "unexpected keys ['model/layers.4." in msg, r["err"]
+        assert "no pipeline stage holds them" in msg and r["unchanged"], r

@@ -180,11 +180,16 @@ def test_plan_cli_accepts_torchtitans_405b_mesh(capsys, monkeypatch):
 def test_search_lists_pipeline_meshes():
     base = resolve(CONFIG, [], None)
     choices, _ = pipeline_candidates(base, 512, 8, 256)
-    titan = S.Choice(1, 8, 8, "full", 1, 32, base.training.grad_sync, 8, "1F1B")
-    assert titan in choices and S.Choice(1, 8, 8, "full", 1, 32, base.training.grad_sync, 8, "Interleaved1F1B") \
-        in choices
+    titan = S.Choice(1, 8, 8, "full", 1, 32, "last", 8, "1F1B")  # (a pipeline syncs once a step)
+    assert titan in choices and S.Choice(1, 8, 8, "full", 1, 32, "last", 8, "Interleaved1F1B") in choices
     assert all(c.pp >= 2 and c.accum >= c.pp and c.pp * c.dp * c.tp == 512 for c in choices)
     assert S.configure(base, titan, 256).mesh_shape == (8, 8, 8)
+    # every candidate is one the trainer runs (review: all 198 were refused: sequence and
+    # loss parallel, grad_sync='every', eval_steps not whole steps of micro-batches)
+    from fsdp2d.train.config import validate
+
+    for c in choices:
+        validate(S.configure(base, c, 256))
 
 
 @pytest.mark.parametrize("args,words", [

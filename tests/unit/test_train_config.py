@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -275,6 +276,8 @@ def test_pipeline_fields_shape_the_mesh_and_are_checked():
     cfg = JobConfig()
     assert (cfg.mesh_shape, cfg.mesh_dim_names) == ((1, 1), ("dp", "tp"))
     cfg.parallel.pp, cfg.parallel.dp, cfg.model.n_layers = 2, 2, 4
+    cfg.training.global_batch, cfg.training.micro_batch = 8, 2  # 2 micro-batches per step: pp needs 2
+    cfg.training.grad_sync = "last"  # (a pipeline reduces once a step)
     validate(cfg, world_size=4)
     assert (cfg.mesh_shape, cfg.mesh_dim_names, cfg.pp_stages_per_rank) == ((2, 2, 1), ("pp", "dp", "tp"), 1)
     cfg.parallel.pp_schedule = "Interleaved1F1B"
@@ -318,3 +321,23 @@ def test_what_the_pipeline_does_not_run_is_refused_in_one_line(field, value, say
     if field != "parallel.pp_schedule":
         cfg.parallel.pp, cfg.parallel.dp = 1, 4
         validate(cfg, world_size=4)
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({}, "parallel.pp=2 needs at least 2 micro-batches per step"),  # 1 micro-batch (the default batch)
+    ({"global_batch": 10, "micro_batch": 2, "pp_schedule": "Interleaved1F1B"},
+     "needs the 5 micro-batches per step to be a multiple of their rounds (2 of pp=2)"),
+    ({"global_batch": 8, "micro_batch": 2, "pp_schedule": "InterleavedZeroBubble",
+      "activation_checkpointing": "selective"}, "split backward runs backward twice"),
+])
+def test_pipelines_torch_refuses_are_refused_in_one_line(fields, words):
+    """What torch's schedules raise at their first step (review: a traceback from every
+    rank after start-up, naming no field) is refused by validate, naming it."""
+    cfg = JobConfig()
+    cfg.parallel.pp, cfg.parallel.dp, cfg.model.n_layers, cfg.training.grad_sync = 2, 1, 4, "last"
+    cfg.training.eval_every = 0
+    for key, value in fields.items():
+        setattr(cfg.parallel if key.startswith("pp_") else cfg.training, key, value)
+    with pytest.raises(ConfigError, match=re.escape(words)) as err:
+        validate(cfg, world_size=2)
+    assert str(err.value).count("\n") == 0, str(err.value)  # one line
