@@ -62,15 +62,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp2d.models.stages import stage_layers, stages_of_rank
-from fsdp2d.train._rules import V_SCHEDULES
+from fsdp2d.train._rules import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES
 from fsdp2d.train.config import ConfigError, JobConfig
 
 from .estimate import GPU, wire_factor
 
 __all__ = ["Pipeline", "ModelCounts", "in_flight", "bubble", "rank_memory", "stage_figures", "rank_stages",
            "rank_estimate", "pipeline_plan", "format_pipeline", "check_pipeline_plan", "stage_seconds"]
-
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
@@ -137,14 +135,14 @@ def in_flight(pipe: Pipeline, pp_rank: int) -> int:
         per_round = m // max(1, m // pp)
         factor = 1 if name == "InterleavedZeroBubble" else 2
         chunks = min(v * m, (v - 1) * per_round + factor * (pp - 1 - pp_rank) + 1)
-    if name in ZERO_BUBBLE:
+    if name in SPLIT_BACKWARD_SCHEDULES:
         chunks += pp  # deferred weight-gradient steps keep their inputs (module doc)
     return chunks
 
 
 def bubble(pipe: Pipeline) -> float:
     """Idle micro-batch slots per step on the slowest rank (module doc)."""
-    if pipe.schedule in ZERO_BUBBLE:
+    if pipe.schedule in SPLIT_BACKWARD_SCHEDULES:
         return 0.0
     return (pipe.pp - 1) / pipe.stages
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 __all__ = ["check_ranges", "check_mesh", "check_model", "check_batch", "check_pipeline", "pipeline_scope", "divisors", "error_text",
-           "mesh_text", "MAX_WORLD", "MAX_BATCH", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES"]
+           "mesh_text", "MAX_WORLD", "MAX_BATCH", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES", "ROUND_SCHEDULES",
+           "SPLIT_BACKWARD_SCHEDULES"]
 
 # Upper bounds far above any job run today (the largest clusters hold ~10^5 GPUs; Llama 3
 # 405B's batch was 2048 x 8192 tokens) and far below sizes whose mesh, candidate lists or
@@ -25,7 +26,7 @@ ROUND_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 """Schedules that run the micro-batches in rounds of ``pp`` (torch refuses a count that is
 not a multiple of ``max(1, m // pp)``)."""
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Schedules that split backward into an input and a weight step."""
+"""Schedules that split backward into an input and a weight step (the zero-bubble ones)."""
 
 
 def error_text(errors: list[str]) -> str:
